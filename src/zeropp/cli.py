@@ -1,0 +1,59 @@
+"""The ``zeropp`` command."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def launch_local(module: str, module_args: list[str], num_nodes: int, ranks_per_node: int) -> int:
+    """Run ``python -m module`` on num_nodes x ranks_per_node local processes through torchrun,
+    declaring the layout with ZEROPP_RANKS_PER_NODE (one machine standing in for several)."""
+    env = {**os.environ, "ZEROPP_RANKS_PER_NODE": str(ranks_per_node), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={num_nodes * ranks_per_node}", "-m", module, *module_args]
+    return subprocess.call(command, env=env)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    run_dir = Path(args.runs) / time.strftime("%Y%m%d-%H%M%S")
+    module_args = ["--run-dir", str(run_dir), "--mode", args.mode, "--steps", str(args.steps)]
+    print(f"zeropp demo: {args.nodes} nodes x {args.ranks_per_node} ranks (local processes), "
+          f"mode {args.mode}, {args.steps} steps -> {run_dir}", flush=True)
+    return launch_local("zeropp.demo", module_args, args.nodes, args.ranks_per_node)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    if args.what == "quant":
+        from zeropp.bench import quant
+
+        quant.run(out_dir=args.out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from zeropp.demo import MODES
+
+    parser = argparse.ArgumentParser(prog="zeropp", description="ZeRO++ on PyTorch FSDP2")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="train the demo GPT on Shakespeare on local ranks")
+    demo.add_argument("--mode", choices=sorted(MODES), default="zero3")
+    demo.add_argument("--steps", type=int, default=300)
+    demo.add_argument("--nodes", type=int, default=2, help="emulated nodes (default 2)")
+    demo.add_argument("--ranks-per-node", type=int, default=2)
+    demo.add_argument("--runs", default="runs", help="parent folder of the run directory")
+    demo.set_defaults(func=_demo)
+    bench = sub.add_parser("bench", help="benchmarks that print a table and write JSON")
+    bench.add_argument("what", choices=["quant"])
+    bench.add_argument("--out", default="benchmarks/results")
+    bench.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    sys.exit(args.func(args))

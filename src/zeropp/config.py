@@ -1,0 +1,472 @@
+"""zeropp's configuration: the ZeRO++ switches, the DeepSpeed training keys, and the JSON reader.
+
+Every rule is a *checker*, ``(key, value) -> normalised value`` raising ``ValueError``, kept in one
+table per dataclass. ``__post_init__`` runs the table over the fields; the DeepSpeed reader runs the
+same checkers under the dotted key the user wrote (``zero_optimization.zero_hpz_partition_size``),
+so each rule has one implementation and every error names the key, the value and what is allowed.
+Checks that need the world size or the topology (hpZ divides the world, ...) live with the topology.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import reprlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, NoReturn
+
+import torch
+
+logger = logging.getLogger("zeropp")
+
+Checker = Callable[[str, Any], Any]
+"""Checks the value found under a (dotted) key; returns it normalised or raises ValueError."""
+
+
+def _reject(key: str, value: object, allowed: str) -> NoReturn:
+    hint = ""
+    if isinstance(value, str) and value == "auto":
+        hint = ("; 'auto' is a Hugging Face Trainer placeholder that must be resolved to a "
+                "concrete value before the config reaches zeropp")
+    raise ValueError(f"{key}={reprlib.repr(value)} is not allowed; expected {allowed}{hint}")
+
+
+def _checker(
+    allowed: str, accept: Callable[[Any], bool], convert: Callable[[Any], Any] = lambda v: v
+) -> Checker:
+    """A checker accepting ``value`` when ``accept(value)`` holds; it returns ``convert(value)``."""
+
+    def check(key: str, value: Any) -> Any:
+        if not accept(value):
+            _reject(key, value, allowed)
+        return convert(value)
+
+    return check
+
+
+def _is_int(value: Any) -> bool:
+    """A JSON integer: an int that is not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    """A finite JSON number (int or float, not bool) that converts to float without overflow."""
+    return (_is_int(value) or isinstance(value, float)) and -1e308 < value < 1e308
+
+
+def _optional(check: Checker) -> Checker:
+    """``check``, letting None (the key was not given) through."""
+    return lambda key, value: None if value is None else check(key, value)
+
+
+_BOOL = _checker("a bool (true or false)", lambda v: isinstance(v, bool))
+_POSITIVE_INT = _checker("an int >= 1", lambda v: _is_int(v) and v >= 1)
+_NON_NEGATIVE_INT = _checker("an int >= 0", lambda v: _is_int(v) and v >= 0)
+_NON_NEGATIVE = _checker("a finite number >= 0", lambda v: _is_real(v) and v >= 0, float)
+_POSITIVE = _checker("a finite number > 0", lambda v: _is_real(v) and v > 0, float)
+_BITS = _checker("4 or 8", lambda v: _is_int(v) and v in (4, 8))
+_SECTION = _checker("a JSON object {...}", lambda v: isinstance(v, dict))
+_DTYPE = _checker(
+    "None (keep the model's dtype), torch.float32, torch.bfloat16 or torch.float16",
+    lambda v: v is None or v in (torch.float32, torch.bfloat16, torch.float16),
+)
+_BETAS = _checker(
+    "a list of two numbers, each in [0, 1)",
+    lambda v: isinstance(v, (list, tuple)) and len(v) == 2
+    and all(_is_real(beta) and 0 <= beta < 1 for beta in v),
+    lambda v: (float(v[0]), float(v[1])),
+)
+
+
+def _check_fields(instance: object, checks: Mapping[str, Checker]) -> None:
+    """Run each field's checker and store the normalised value (for ``__post_init__``)."""
+    for name, check in checks.items():
+        object.__setattr__(instance, name, check(name, getattr(instance, name)))
+
+
+def _check_params(key: str, params: Any, checks: Mapping[str, Checker]) -> dict[str, Any]:
+    """Check every entry of the object ``params``; a name without a checker is an error."""
+    for name, value in _SECTION(key, params).items():
+        if name not in checks:
+            raise ValueError(f"{key}.{name}={reprlib.repr(value)} is not allowed; "
+                             f"{key} accepts only {', '.join(checks)}")
+    return {name: checks[name](f"{key}.{name}", value) for name, value in params.items()}
+
+
+def _check_type_name(key: str, value: Any, names: Mapping[str, Any], any_case: bool) -> str:
+    """The spelling of ``value`` among ``names``, matched ignoring case if ``any_case``."""
+    for name in names:
+        if value == name or (any_case and isinstance(value, str) and value.lower() == name.lower()):
+            return name
+    _reject(key, value, "one of " + ", ".join(names) + (" (any case)" if any_case else ""))
+
+
+_ZEROPP_CHECKS: dict[str, Checker] = {
+    **dict.fromkeys(("quantized_weights", "quantized_nontrainable_weights", "quantized_gradients",
+                     "quantize_intra_node_weights", "error_feedback"), _BOOL),
+    "hpz_partition_size": _POSITIVE_INT,
+    "block_size": _checker("a power of two from 8 to 65536",
+                           lambda v: _is_int(v) and 8 <= v <= 65536 and v & (v - 1) == 0),
+    **dict.fromkeys(("weight_bits", "grad_bits_intra", "grad_bits_inter"), _BITS),
+    **dict.fromkeys(("param_dtype", "reduce_dtype"), _DTYPE),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroPPConfig:
+    """Which ZeRO++ techniques to apply on top of FSDP2, and how (DESIGN.md: qwZ, hpZ, qgZ)."""
+
+    quantized_weights: bool = False
+    """qwZ: block-quantize the forward weight all-gather (DeepSpeed zero_quantized_weights)."""
+    quantized_nontrainable_weights: bool = False
+    """qwZ for frozen parameters too (DeepSpeed zero_quantized_nontrainable_weights)."""
+    hpz_partition_size: int = 1
+    """hpZ: ranks sharing the post-forward secondary copy; 1 = off (zero_hpz_partition_size)."""
+    quantized_gradients: bool = False
+    """qgZ: two-hop quantized all-to-all reduce-scatter (DeepSpeed zero_quantized_gradients)."""
+    block_size: int = 256
+    """Consecutive elements sharing one quantization scale; a power of two from 8 to 65536."""
+    weight_bits: int = 8
+    """Bits per weight element in the qwZ all-gather: 4 or 8."""
+    grad_bits_intra: int = 4
+    """Bits per gradient element on qgZ's intra-node hop: 4 or 8."""
+    grad_bits_inter: int = 4
+    """Bits per gradient element on qgZ's inter-node hop: 4 or 8."""
+    quantize_intra_node_weights: bool = False
+    """hpZ + qwZ: also quantize the intra-node backward all-gather (default: full precision)."""
+    error_feedback: bool = False
+    """qgZ keeps each hop's quantization residual and adds it back at the next step."""
+    param_dtype: torch.dtype | None = None
+    """Dtype of compute and of the weight all-gathers (mixed precision); None keeps the model's."""
+    reduce_dtype: torch.dtype | None = None
+    """Dtype of the gradient reduction; None keeps the gradients' dtype."""
+
+    def __post_init__(self) -> None:
+        _check_fields(self, _ZEROPP_CHECKS)
+
+    @classmethod
+    def from_deepspeed(cls, config: dict[str, Any] | str | os.PathLike[str]) -> ZeroPPConfig:
+        """The ZeRO++ part of a DeepSpeed config (a dict or the path of a JSON file)."""
+        return parse_deepspeed(config).zeropp
+
+
+_ADAM_PARAMS: dict[str, Checker] = {
+    "lr": _NON_NEGATIVE, "betas": _BETAS, "eps": _POSITIVE, "weight_decay": _NON_NEGATIVE,
+    **dict.fromkeys(("amsgrad", "adam_w_mode", "torch_adam"), _BOOL),
+}
+_OPTIMIZER_PARAMS: dict[str, dict[str, Checker]] = {
+    "AdamW": _ADAM_PARAMS,
+    "Adam": _ADAM_PARAMS,
+    "SGD": {"lr": _NON_NEGATIVE, "momentum": _NON_NEGATIVE, "dampening": _NON_NEGATIVE,
+            "weight_decay": _NON_NEGATIVE, "nesterov": _BOOL},
+}
+_DEEPSPEED_ONLY_OPTIMIZER_PARAMS = ("adam_w_mode", "torch_adam")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """DeepSpeed's ``optimizer`` section: a torch.optim optimizer over the local shards."""
+
+    type: str
+    """AdamW, Adam or SGD (any case in the input; stored in this spelling)."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """The arguments given (numbers as float, betas as a tuple); see ``torch_kwargs``."""
+
+    def __post_init__(self) -> None:
+        name = _check_type_name("optimizer.type", self.type, _OPTIMIZER_PARAMS, any_case=True)
+        object.__setattr__(self, "type", name)
+        params = _check_params("optimizer.params", self.params, _OPTIMIZER_PARAMS[name])
+        object.__setattr__(self, "params", params)
+
+    @property
+    def torch_class_name(self) -> str:
+        """The torch.optim class DeepSpeed builds; its "Adam" is AdamW unless adam_w_mode=false."""
+        if self.type == "Adam" and not self.params.get("adam_w_mode", True):
+            return "Adam"
+        return "SGD" if self.type == "SGD" else "AdamW"
+
+    def torch_kwargs(self) -> dict[str, Any]:
+        """Arguments for ``torch_class_name``: DeepSpeed-only switches dropped, and for the Adam
+        family DeepSpeed's default weight_decay of 0 made explicit (torch.optim.AdamW defaults
+        to 0.01; DeepSpeed passes that default through only with torch_adam)."""
+        kwargs = {name: value for name, value in self.params.items()
+                  if name not in _DEEPSPEED_ONLY_OPTIMIZER_PARAMS}
+        if self.type != "SGD" and not self.params.get("torch_adam", False):
+            kwargs.setdefault("weight_decay", 0.0)
+        return kwargs
+
+
+_REQUIRED = object()
+"""Stands for the default of a scheduler parameter that has none."""
+_WARMUP_TYPE = _checker(
+    '"log" or "linear"', lambda v: isinstance(v, str) and v in ("log", "linear"))
+_WARMUP_PARAMS: dict[str, tuple[Checker, Any]] = {
+    "warmup_min_lr": (_NON_NEGATIVE, 0.0),
+    "warmup_max_lr": (_NON_NEGATIVE, 0.001),
+    "warmup_num_steps": (_NON_NEGATIVE_INT, 1000),
+    "warmup_type": (_WARMUP_TYPE, "log"),
+}
+_SCHEDULER_PARAMS: dict[str, dict[str, tuple[Checker, Any]]] = {
+    "WarmupLR": _WARMUP_PARAMS,
+    "WarmupDecayLR": {**_WARMUP_PARAMS, "total_num_steps": (_POSITIVE_INT, _REQUIRED)},
+    "WarmupCosineLR": {
+        "total_num_steps": (_POSITIVE_INT, _REQUIRED),
+        "warmup_min_ratio": (_NON_NEGATIVE, 0.0),
+        "warmup_num_steps": (_NON_NEGATIVE_INT, 1000),
+        "cos_min_ratio": (_NON_NEGATIVE, 0.0001),
+        "warmup_type": (_WARMUP_TYPE, "log"),
+    },
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """DeepSpeed's ``scheduler`` section: one of DeepSpeed's warmup learning-rate schedules."""
+
+    type: str
+    """WarmupLR, WarmupDecayLR or WarmupCosineLR (exact spelling, as DeepSpeed requires)."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """The schedule's parameters, DeepSpeed's defaults filled in for those not given."""
+
+    def __post_init__(self) -> None:
+        name = _check_type_name("scheduler.type", self.type, _SCHEDULER_PARAMS, any_case=False)
+        table = _SCHEDULER_PARAMS[name]
+        params = _check_params("scheduler.params", self.params,
+                               {param: check for param, (check, _) in table.items()})
+        for param, (_, default) in table.items():
+            if default is _REQUIRED and param not in params:
+                raise ValueError(f"scheduler.params.{param} is missing; {name} requires it")
+            params.setdefault(param, default)
+        object.__setattr__(self, "type", name)
+        object.__setattr__(self, "params", params)
+
+
+_TRAINING_CHECKS: dict[str, Checker] = {
+    **dict.fromkeys(("train_batch_size", "train_micro_batch_size_per_gpu",
+                     "gradient_accumulation_steps"), _optional(_POSITIVE_INT)),
+    **dict.fromkeys(("gradient_clipping", "loss_scale"), _NON_NEGATIVE),
+    **dict.fromkeys(("bf16", "fp16", "wall_clock_breakdown"), _BOOL),
+    "initial_scale_power": _checker("an int from 0 to 127 (2**power is a finite float32)",
+                                    lambda v: _is_int(v) and 0 <= v <= 127),
+    **dict.fromkeys(("loss_scale_window", "hysteresis", "steps_per_print"), _POSITIVE_INT),
+    "min_loss_scale": _POSITIVE,
+    "optimizer": _checker("an OptimizerConfig or None",
+                          lambda v: v is None or isinstance(v, OptimizerConfig)),
+    "scheduler": _checker("a SchedulerConfig or None",
+                          lambda v: v is None or isinstance(v, SchedulerConfig)),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    """The top-level DeepSpeed training keys that the zeropp engine acts on."""
+
+    train_batch_size: int | None = None
+    """Samples per optimizer step over all ranks; None if not given (see ``resolve_batch``)."""
+    train_micro_batch_size_per_gpu: int | None = None
+    """Samples per rank per forward/backward; None if not given."""
+    gradient_accumulation_steps: int | None = None
+    """Micro-steps per optimizer step; None if not given."""
+    gradient_clipping: float = 0.0
+    """Clip the global gradient norm to this value; 0 = no clipping."""
+    bf16: bool = False
+    """Train in bfloat16 (DeepSpeed bf16.enabled)."""
+    fp16: bool = False
+    """Train in float16 with loss scaling (DeepSpeed fp16.enabled)."""
+    loss_scale: float = 0.0
+    """fp16 static loss scale; 0 = dynamic loss scaling."""
+    initial_scale_power: int = 16
+    """fp16 dynamic loss scaling starts at 2**initial_scale_power."""
+    loss_scale_window: int = 1000
+    """fp16: steps without overflow before the dynamic scale doubles."""
+    hysteresis: int = 2
+    """fp16: overflows tolerated before the dynamic scale halves."""
+    min_loss_scale: float = 1.0
+    """fp16: the dynamic scale never drops below this."""
+    optimizer: OptimizerConfig | None = None
+    """The optimizer to build, or None when the caller brings its own."""
+    scheduler: SchedulerConfig | None = None
+    """The learning-rate schedule to build, or None."""
+    steps_per_print: int = 10
+    """Log progress every this many optimizer steps."""
+    wall_clock_breakdown: bool = False
+    """Time forward, backward and step separately and log the breakdown."""
+
+    def __post_init__(self) -> None:
+        _check_fields(self, _TRAINING_CHECKS)
+        if self.bf16 and self.fp16:
+            raise ValueError("bf16=True and fp16=True are both set; enable at most one")
+
+    def resolve_batch(self, world_size: int) -> tuple[int, int, int]:
+        """(train_batch_size, micro batch per rank, accumulation steps) on ``world_size`` ranks:
+        the one not given is filled in as DeepSpeed does, then train = micro * accum * world."""
+        _POSITIVE_INT("world_size", world_size)
+        train = self.train_batch_size
+        micro = self.train_micro_batch_size_per_gpu
+        accum = self.gradient_accumulation_steps
+        given = (f"train_batch_size={train}, train_micro_batch_size_per_gpu={micro}, "
+                 f"gradient_accumulation_steps={accum}, world_size={world_size}")
+        if train is not None and micro is not None:
+            accum = accum or train // (micro * world_size)
+        elif train is not None:
+            accum = accum or 1
+            micro = train // (accum * world_size)
+        elif micro is not None:
+            accum = accum or 1
+            train = micro * accum * world_size
+        else:
+            raise ValueError(f"{given}: set train_batch_size or train_micro_batch_size_per_gpu")
+        if micro < 1 or accum < 1 or train != micro * accum * world_size:
+            raise ValueError(f"{given}: train_batch_size must equal train_micro_batch_size_per_gpu"
+                             " * gradient_accumulation_steps * world_size, each at least 1")
+        return train, micro, accum
+
+
+@dataclass(frozen=True)
+class DeepSpeedConfig:
+    """A DeepSpeed config as zeropp understands it."""
+
+    zeropp: ZeroPPConfig
+    """The ZeRO++ techniques and their settings."""
+    training: TrainingConfig
+    """The engine's training settings."""
+    ignored_keys: tuple[str, ...]
+    """Dotted names of keys present that zeropp reads but does not act on, or does not know."""
+
+
+_FIELD_CHECKS = {"zeropp": _ZEROPP_CHECKS, "training": _TRAINING_CHECKS}
+_DEEPSPEED_KEYS: dict[str, tuple[str, str]] = {
+    # dotted DeepSpeed key -> (config, field); the field's checker does the checking
+    **{key: ("training", key) for key in (
+        "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+        "gradient_clipping", "steps_per_print", "wall_clock_breakdown")},
+    "zero_optimization.zero_quantized_weights": ("zeropp", "quantized_weights"),
+    "zero_optimization.zero_quantized_nontrainable_weights":
+        ("zeropp", "quantized_nontrainable_weights"),
+    "zero_optimization.zero_hpz_partition_size": ("zeropp", "hpz_partition_size"),
+    "zero_optimization.zero_quantized_gradients": ("zeropp", "quantized_gradients"),
+    **{f"zero_optimization.zeropp.{name}": ("zeropp", name) for name in (
+        "block_size", "weight_bits", "grad_bits_intra", "grad_bits_inter",
+        "quantize_intra_node_weights", "error_feedback")},
+    "bf16.enabled": ("training", "bf16"),
+    "fp16.enabled": ("training", "fp16"),
+    **{f"fp16.{name}": ("training", name) for name in (
+        "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")},
+}
+_CHECKED_NOT_ACTED_ON: dict[str, Checker] = {
+    # FSDP2 sizes, buckets and overlaps communication per sharded unit by itself
+    "zero_optimization.reduce_bucket_size": _NON_NEGATIVE,
+    "zero_optimization.stage3_prefetch_bucket_size": _NON_NEGATIVE,
+    **dict.fromkeys(("zero_optimization.overlap_comm", "zero_optimization.contiguous_gradients",
+                     "zero_optimization.reduce_scatter"), _BOOL),
+}
+_STAGE_KEY = "zero_optimization.stage"
+_STAGE = _checker("3 (zeropp implements ZeRO-3 only)", lambda v: _is_int(v) and v == 3)
+_SECTIONS = ("zero_optimization", "zero_optimization.zeropp", "bf16", "fp16")
+_OWN_SECTION = "zero_optimization.zeropp"
+"""zeropp's namespace: an unknown key there is an error, not an ignored key."""
+_TYPED_SECTIONS: dict[str, type[OptimizerConfig] | type[SchedulerConfig]] = {
+    "optimizer": OptimizerConfig, "scheduler": SchedulerConfig}
+
+_REPORTED_IGNORED_KEYS: set[str] = set()
+"""Ignored keys this process has already warned about, so reading a config again stays quiet."""
+
+
+@dataclass
+class _Draft:
+    """What the reader has gathered: keyword arguments for both configs, and the keys it skips."""
+
+    zeropp: dict[str, Any] = field(default_factory=dict)
+    training: dict[str, Any] = field(default_factory=dict)
+    ignored: list[str] = field(default_factory=list)
+
+
+def _read_section(draft: _Draft, section: dict[Any, Any], prefix: str) -> None:
+    """Check each key of ``section`` (whose dotted name starts with ``prefix``) into ``draft``."""
+    for name, value in section.items():
+        key = f"{prefix}{name}"
+        if "." in str(name) and prefix != _OWN_SECTION + ".":  # it would pose as a nested key
+            draft.ignored.append(key)
+        elif key in _SECTIONS:
+            _read_section(draft, _SECTION(key, value), key + ".")
+        elif key in _DEEPSPEED_KEYS:
+            config, field_name = _DEEPSPEED_KEYS[key]
+            getattr(draft, config)[field_name] = _FIELD_CHECKS[config][field_name](key, value)
+        elif key in _TYPED_SECTIONS:
+            draft.training[key] = _read_typed_section(draft, key, _SECTION(key, value))
+        elif key == _STAGE_KEY:
+            _STAGE(key, value)
+        elif prefix == _OWN_SECTION + ".":
+            allowed = [k.removeprefix(prefix) for k in _DEEPSPEED_KEYS if k.startswith(prefix)]
+            raise ValueError(f"{key}={reprlib.repr(value)} is not a zeropp option; "
+                             f"{_OWN_SECTION} accepts only {', '.join(allowed)}")
+        else:
+            if key in _CHECKED_NOT_ACTED_ON:
+                _CHECKED_NOT_ACTED_ON[key](key, value)
+            draft.ignored.append(key)
+
+
+def _read_typed_section(
+    draft: _Draft, key: str, section: dict[Any, Any]
+) -> OptimizerConfig | SchedulerConfig:
+    """Build the optimizer or scheduler config from ``type`` and ``params``; skip other keys."""
+    if "type" not in section:
+        names = _OPTIMIZER_PARAMS if key == "optimizer" else _SCHEDULER_PARAMS
+        raise ValueError(f"{key}.type is missing; expected one of {', '.join(names)}")
+    draft.ignored.extend(f"{key}.{name}" for name in section if name not in ("type", "params"))
+    return _TYPED_SECTIONS[key](type=section["type"], params=section.get("params", {}))
+
+
+def _load(config: dict[str, Any] | str | os.PathLike[str]) -> dict[Any, Any]:
+    """The config as a dict: given directly, or read from a JSON file."""
+    if isinstance(config, dict):
+        return config
+    if not isinstance(config, (str, os.PathLike)):
+        _reject("config", config, "a dict or the path of a JSON file")
+    path = pathlib.Path(config)
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as error:  # JSONDecodeError is a ValueError
+        message = f"DeepSpeed config {str(path)!r} is not readable JSON: {error}"
+        raise ValueError(message) from error
+    if not isinstance(raw, dict):
+        raise ValueError(f"DeepSpeed config {str(path)!r} holds a JSON {type(raw).__name__} at "
+                         "the top level; expected a JSON object {...}")
+    return raw
+
+
+def _report_ignored(keys: list[str]) -> None:
+    """Name the ignored keys this process has not named before, all in one warning."""
+    new_keys = [key for key in keys if key not in _REPORTED_IGNORED_KEYS]
+    if new_keys:
+        _REPORTED_IGNORED_KEYS.update(new_keys)
+        logger.warning("zeropp does not act on these DeepSpeed config keys (FSDP2 buckets and "
+                       "overlaps communication per sharded unit; the others are not implemented):"
+                       " %s", ", ".join(new_keys))
+
+
+def parse_deepspeed(config: dict[str, Any] | str | os.PathLike[str]) -> DeepSpeedConfig:
+    """Read a DeepSpeed config (a dict, or the path of a JSON file) into zeropp's configs.
+
+    Raises ValueError, and only ValueError, for what zeropp cannot honour: a wrong type or value,
+    a ZeRO stage other than 3, an unresolved "auto", bf16 and fp16 both enabled. Keys zeropp does
+    not act on are listed in ``ignored_keys`` and named in one warning per process.
+    """
+    raw = _load(config)
+    draft = _Draft()
+    _read_section(draft, raw, "")
+    if "stage" not in raw.get("zero_optimization", {}):
+        raise ValueError(f"{_STAGE_KEY} is missing; zeropp implements ZeRO-3 only, so set it to 3")
+    if draft.training.get("bf16") and draft.training.get("fp16"):
+        raise ValueError("bf16.enabled=True and fp16.enabled=True; enable at most one")
+    if draft.training.get("bf16"):
+        draft.zeropp["param_dtype"] = torch.bfloat16
+    elif draft.training.get("fp16"):
+        draft.zeropp["param_dtype"] = torch.float16
+    parsed = DeepSpeedConfig(zeropp=ZeroPPConfig(**draft.zeropp),
+                             training=TrainingConfig(**draft.training),
+                             ignored_keys=tuple(draft.ignored))
+    _report_ignored(draft.ignored)
+    return parsed

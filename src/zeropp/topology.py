@@ -1,0 +1,180 @@
+"""Where ranks live: nodes x ranks per node, and the process groups that follow from it.
+
+zeropp assumes torchrun's layout: global rank = node * ranks_per_node + local rank, so the
+ranks of one node are contiguous. Everything hierarchical (hpZ's intra-node gather, qgZ's two
+hops, the ledger's cross-node byte count) is derived from this one description.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+logger = logging.getLogger("zeropp")
+
+RANKS_PER_NODE_ENV = "ZEROPP_RANKS_PER_NODE"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """``num_nodes`` nodes of ``ranks_per_node`` ranks each, ranks node-contiguous."""
+
+    num_nodes: int
+    """Number of nodes (machines); traffic between them is what ZeRO++ reduces."""
+    ranks_per_node: int
+    """Ranks on each node; they talk over the fast intra-node link."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_nodes", "ranks_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Topology.{name} must be a positive int, got {value!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.ranks_per_node
+
+    def node_of(self, rank: int) -> int:
+        """The node that global ``rank`` sits on."""
+        return rank // self.ranks_per_node
+
+    def local_rank_of(self, rank: int) -> int:
+        """The index of global ``rank`` inside its node."""
+        return rank % self.ranks_per_node
+
+    def node_ranks(self, node: int) -> list[int]:
+        """Global ranks of one node: the members of that node's intra-node group."""
+        start = node * self.ranks_per_node
+        return list(range(start, start + self.ranks_per_node))
+
+    def peer_ranks(self, local_rank: int) -> list[int]:
+        """Global ranks with the same local index on every node: one inter-node group."""
+        return [node * self.ranks_per_node + local_rank for node in range(self.num_nodes)]
+
+    @classmethod
+    def from_world(cls, world_size: int, ranks_per_node: int) -> Topology:
+        """The topology of ``world_size`` ranks, ``ranks_per_node`` to a node."""
+        if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be a positive int, got {ranks_per_node!r}")
+        if world_size % ranks_per_node != 0:
+            raise ValueError(
+                f"world size {world_size} is not a multiple of ranks_per_node={ranks_per_node}; "
+                f"ranks per node must divide the world size (divisors: {_divisors(world_size)})"
+            )
+        return cls(num_nodes=world_size // ranks_per_node, ranks_per_node=ranks_per_node)
+
+    @classmethod
+    def from_env(cls, ranks_per_node: int | None = None, world_size: int | None = None) -> Topology:
+        """Read the layout the launcher set up.
+
+        Ranks per node: the argument, else ``ZEROPP_RANKS_PER_NODE`` (lets one machine declare
+        "2 nodes x 2"), else torchrun's ``LOCAL_WORLD_SIZE``, else the whole world on one node.
+        World size: the argument, else the initialised process group, else ``WORLD_SIZE``.
+        """
+        if world_size is None:
+            world_size = dist.get_world_size() if dist.is_initialized() else _int_env("WORLD_SIZE", 1)
+        if ranks_per_node is None:
+            for name in (RANKS_PER_NODE_ENV, "LOCAL_WORLD_SIZE"):
+                if os.environ.get(name):
+                    ranks_per_node = _int_env(name, 0)
+                    break
+            else:
+                ranks_per_node = world_size
+        return cls.from_world(world_size, ranks_per_node)
+
+
+def _int_env(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} must be an integer") from None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_hosts(topology: Topology, hostnames: Sequence[str]) -> None:
+    """Check the claimed layout against the hosts the ranks really run on.
+
+    A claimed node spread over several hosts is an error: its "intra-node" traffic would cross
+    machines. Several claimed nodes on one host is allowed (an emulated cluster) and logged.
+    """
+    if len(hostnames) != topology.world_size:
+        raise ValueError(f"got {len(hostnames)} hostnames for a world of {topology.world_size} ranks")
+    host_of_node: dict[int, str] = {}
+    for rank, host in enumerate(hostnames):
+        node = topology.node_of(rank)
+        if host_of_node.setdefault(node, host) != host:
+            raise ValueError(
+                f"claimed node {node} (ranks {topology.node_ranks(node)}) spans hosts "
+                f"{sorted({hostnames[r] for r in topology.node_ranks(node)})}; with "
+                f"ranks_per_node={topology.ranks_per_node} each node's ranks must share one host. "
+                f"Set {RANKS_PER_NODE_ENV} (or LOCAL_WORLD_SIZE) to the real number of ranks per host"
+            )
+    if len(set(host_of_node.values())) < topology.num_nodes:
+        logger.info(
+            "zeropp: %d claimed nodes run on %d host(s): an emulated multi-node layout",
+            topology.num_nodes,
+            len(set(host_of_node.values())),
+        )
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    """The groups one rank needs, built once and passed explicitly to whatever communicates."""
+
+    topology: Topology
+    mesh: DeviceMesh
+    """1-D mesh over the world: FSDP2's shard group."""
+    intra_node_group: dist.ProcessGroup
+    """This rank's node (size ranks_per_node)."""
+    inter_node_group: dist.ProcessGroup
+    """Ranks with this rank's local index on every node (size num_nodes)."""
+
+
+def build_process_groups(topology: Topology, device_type: str = "cpu") -> ProcessGroups:
+    """Create the world mesh and this rank's intra- and inter-node groups.
+
+    Every rank must call this in the same order (``new_group`` is collective over the world).
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: call dist.init_process_group first")
+    if dist.get_world_size() != topology.world_size:
+        raise ValueError(
+            f"topology {topology.num_nodes} nodes x {topology.ranks_per_node} ranks = "
+            f"{topology.world_size} ranks, but the process group has {dist.get_world_size()}"
+        )
+    rank = dist.get_rank()
+    mesh = init_device_mesh(device_type, (topology.world_size,))
+    intra = _new_groups([topology.node_ranks(n) for n in range(topology.num_nodes)], rank)
+    inter = _new_groups([topology.peer_ranks(d) for d in range(topology.ranks_per_node)], rank)
+    return ProcessGroups(topology, mesh, intra, inter)
+
+
+def _new_groups(rank_lists: list[list[int]], rank: int) -> dist.ProcessGroup:
+    """Create every group in ``rank_lists`` (all ranks must) and return the one holding ``rank``."""
+    mine = None
+    for ranks in rank_lists:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    assert mine is not None, f"rank {rank} is in none of {rank_lists}"
+    return mine
+
+
+def device_type_of(module: torch.nn.Module) -> str:
+    """The device type FSDP should use for ``module`` ("cpu" or "cuda"/...)."""
+    for tensor in module.parameters():
+        if tensor.device.type != "meta":
+            return tensor.device.type
+    return "cpu"

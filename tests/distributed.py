@@ -1,0 +1,80 @@
+"""Run a function on N real gloo processes: the harness every multi-rank test uses.
+
+``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, initialises a gloo
+process group in each (free port, one thread per rank), calls ``fn(rank, world_size, *args)``
+and returns every rank's result. A failing rank's traceback is raised in the test; a rank that
+hangs fails the test after ``timeout`` seconds instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, env: dict[str, str], fn: Callable,
+            args: tuple, results: mp.Queue, timeout: float) -> None:
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(world_size))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
+        result = fn(rank, world_size, *args)
+        results.put((rank, True, result))
+    except BaseException:  # report everything, the parent decides
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
+                    env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
+
+    ``fn`` must be a module-level function (it is pickled into spawned processes). ``env`` is set
+    in every rank before the process group starts (e.g. ``ZEROPP_RANKS_PER_NODE``).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, env, fn, args, results, timeout),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outcome: dict[int, tuple[bool, Any]] = {}
+    try:
+        while len(outcome) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=timeout)
+            except queue.Empty:
+                missing = sorted(set(range(world_size)) - set(outcome))
+                raise AssertionError(f"ranks {missing} gave no result within {timeout} s (hang?)") from None
+            outcome[rank] = (ok, value)
+            if not ok:
+                raise AssertionError(f"rank {rank} of {world_size} failed:\n{value}")
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return [outcome[r][1] for r in range(world_size)]
