@@ -87,3 +87,38 @@ def train_steps(model: nn.Module, optimizer: torch.optim.Optimizer, batch_of: Ca
 
 def reference_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
+
+
+def train_on_corpus(config, num_steps: int, rank: int, world_size: int, batch_size: int = 32,
+                    seed: int = 0, lr: float = 3e-3) -> dict:
+    """Shard a small GPT with ``config`` and train it on Shakespeare (same seed and data order
+    for every config), returning every step's global loss and the ledger's summary."""
+    import zeropp
+    from zeropp.comms import all_reduce_mean
+    from zeropp.data import CharCorpus
+
+    corpus = CharCorpus.shakespeare()
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=corpus.vocab_size, context_length=32, num_layers=2, num_heads=4,
+                          embed_dim=64))
+    topology = zeropp.Topology.from_env()
+    zeropp.shard(model, config, topology=topology)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    ledger = zeropp.comm_ledger()
+    ledger.reset()
+    local = slice(rank * batch_size // world_size, (rank + 1) * batch_size // world_size)
+    losses = []
+    for step in range(num_steps):
+        x, y = corpus.batch_at("train", step, batch_size, 32, seed)
+        _, loss = model(x[local], y[local])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        ledger.step()
+        with ledger.suspended():
+            losses.append(all_reduce_mean(loss, topology))
+    summary = ledger.summary()
+    with torch.no_grad(), ledger.suspended():
+        val = [all_reduce_mean(model(*(t[local] for t in corpus.batch_at("val", i, 64, 32, seed)))[1], topology)
+               for i in range(4)]
+    return {"losses": losses, "ledger": summary, "steps": num_steps, "val_loss": sum(val) / len(val)}

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from zeropp.ledger import CommLedger, GroupInfo, Op, comm_ledger
+from zeropp.codec import ChunkCodec, segments_for
+from zeropp.ledger import CommLedger, GroupInfo, GroupKind, Op, comm_ledger
 from zeropp.topology import Topology
 
 # torch 2.13 renamed the tensor collectives; 2.11 has only the old names.
@@ -44,7 +45,7 @@ class _Counted:
             info = self._groups[group] = GroupInfo.of(self.topology, ranks, dist.get_rank())
         return info
 
-    def record(self, op: Op, group: dist.ProcessGroup, bytes_per_peer: int, dtype: torch.dtype,
+    def record(self, op: Op, group: dist.ProcessGroup, bytes_per_peer: int, dtype: torch.dtype | str,
                technique: str | None = None) -> None:
         self.ledger.record(op, self.group_info(group), bytes_per_peer, dtype, technique or self.technique)
 
@@ -68,6 +69,55 @@ class CountingReduceScatter(_Counted, ReduceScatter):
                  group: dist.ProcessGroup, op: dist.ReduceOp, async_op: bool = False) -> dist.Work | None:
         self.record(Op.REDUCE_SCATTER, group, _nbytes(output_tensor), input_tensor.dtype)
         return _reduce_scatter_tensor(output_tensor, input_tensor, op, group, async_op)
+
+
+class QuantizedAllGather(_Counted, AllGather):
+    """qwZ: each rank's chunk travels block-quantized (data and scales in one uint8 payload) and
+    every rank's chunk, its own included, is decoded into the output, so all ranks hold the same
+    weights: ``dequantize(quantize(shard))`` of every shard.
+
+    Each parameter's slice is quantized on its own. ``quantized`` says which parameters are
+    (all of them for qwZ; the frozen ones for quantized non-trainable weights). On an intra-node
+    group (hpZ's backward gather) the chunk travels in full precision unless
+    ``quantize_intra_node`` is set.
+    """
+
+    technique = "qwZ"
+
+    def __init__(self, topology: Topology, padded_numels: list[int], quantized: list[bool], *,
+                 bits: int, block_size: int, quantize_intra_node: bool = False,
+                 ledger: CommLedger | None = None) -> None:
+        super().__init__(topology, ledger)
+        self.padded_numels, self.quantized = padded_numels, quantized
+        self.bits, self.block_size = bits, block_size
+        self.quantize_intra_node = quantize_intra_node
+        self._codecs: dict[tuple[int, torch.dtype], ChunkCodec] = {}
+
+    def codec(self, group_size: int, dtype: torch.dtype) -> ChunkCodec:
+        """The codec of one chunk when the unit's parameters are split over ``group_size`` ranks."""
+        key = (group_size, dtype)
+        if key not in self._codecs:
+            segments = segments_for(self.padded_numels, self.quantized, group_size, self.bits)
+            self._codecs[key] = ChunkCodec(segments, self.block_size, dtype)
+        return self._codecs[key]
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
+        info = self.group_info(group)
+        if info.kind is GroupKind.INTRA and not self.quantize_intra_node:
+            self.record(Op.ALL_GATHER, group, _nbytes(input_tensor), input_tensor.dtype, "hpZ")
+            return _all_gather_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        codec = self.codec(info.size, input_tensor.dtype)
+        if codec.numel != input_tensor.numel():
+            raise RuntimeError(f"qwZ all-gather got a chunk of {input_tensor.numel()} elements, but the "
+                               f"unit's parameters make chunks of {codec.numel} on {info.size} ranks")
+        send = torch.empty((1, codec.nbytes), dtype=torch.uint8, device=input_tensor.device)
+        codec.encode(input_tensor.view(1, -1), send)
+        received = torch.empty((info.size, codec.nbytes), dtype=torch.uint8, device=input_tensor.device)
+        self.record(Op.ALL_GATHER, group, codec.nbytes, f"int{self.bits}")
+        _all_gather_tensor(received.view(-1), send.view(-1), group=group)
+        codec.decode(received, output_tensor.view(info.size, -1))
+        return None
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

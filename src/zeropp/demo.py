@@ -25,6 +25,7 @@ from zeropp.models import GPT, GPTConfig
 
 MODES: dict[str, zeropp.ZeroPPConfig] = {
     "zero3": zeropp.ZeroPPConfig(),
+    "qwz": zeropp.ZeroPPConfig(quantized_weights=True),
 }
 """Demo modes by name: plain ZeRO-3 (FSDP2); the ZeRO++ issues add theirs."""
 

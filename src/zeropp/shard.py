@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from zeropp.comms import CountingAllGather, CountingReduceScatter, all_gather_strings
+from zeropp.comms import CountingAllGather, CountingReduceScatter, QuantizedAllGather, all_gather_strings
 from zeropp.config import ZeroPPConfig
 from zeropp.topology import ProcessGroups, Topology, build_process_groups, check_hosts, device_type_of
 
@@ -47,13 +48,41 @@ def shard(
     mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
     for module in [*unit_modules, model]:
         fully_shard(module, mesh=groups.mesh, reshard_after_forward=True, mp_policy=mp_policy)
-        _install_comms(module, groups)
+        _install_comms(module, groups, config)
     return model
 
 
-def _install_comms(module: nn.Module, groups: ProcessGroups) -> None:
+@dataclass(frozen=True)
+class UnitParameters:
+    """The parameters one FSDP unit communicates, in FSDP2's flat-buffer order."""
+
+    padded_numels: list[int]
+    """Each parameter's numel with dim 0 padded to a multiple of the world size."""
+    trainable: list[bool]
+
+
+def unit_parameters(module: FSDPModule) -> UnitParameters:
+    """Read a unit's parameter layout from FSDP2 (the order and padding of its flat buffers)."""
+    param_group = module._get_fsdp_state()._fsdp_param_group
+    if param_group is None:
+        return UnitParameters([], [])
+    world_size = param_group.mesh_info.shard_mesh_size
+    params = param_group.fsdp_params
+    return UnitParameters([p.padded_sharded_param_size.numel() * world_size for p in params],
+                          [p.sharded_param.requires_grad for p in params])
+
+
+def _install_comms(module: nn.Module, groups: ProcessGroups, config: ZeroPPConfig) -> None:
     assert isinstance(module, FSDPModule)
-    module.set_custom_all_gather(CountingAllGather(groups.topology))
+    layout = unit_parameters(module)
+    quantized = [config.quantized_weights or (config.quantized_nontrainable_weights and not trainable)
+                 for trainable in layout.trainable]
+    if any(quantized):
+        module.set_custom_all_gather(QuantizedAllGather(
+            groups.topology, layout.padded_numels, quantized, bits=config.weight_bits,
+            block_size=config.block_size, quantize_intra_node=config.quantize_intra_node_weights))
+    else:
+        module.set_custom_all_gather(CountingAllGather(groups.topology))
     module.set_custom_reduce_scatter(CountingReduceScatter(groups.topology))
 
 

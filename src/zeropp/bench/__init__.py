@@ -1,0 +1,1 @@
+"""Benchmarks that measure zeropp components and write JSON results (run via ``zeropp bench``)."""

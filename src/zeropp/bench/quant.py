@@ -1,0 +1,206 @@
+"""Benchmark of block quantization: speed against a memory copy, error against one scale.
+
+Two questions decide whether quantized communication pays off:
+1. Is (de)quantizing cheap next to the transfer it shrinks? Throughput is reported in GB/s of
+   the unquantized tensor and as a ratio to ``torch.clone`` of the same tensor, the
+   memory-bandwidth anchor: a ratio near 1 means quantization costs about one extra copy.
+2. What do blocks buy? ZeRO++ (§3.1) uses a scale per block instead of one per tensor so an
+   outlier only coarsens its own block; the error table compares both on Gaussian weights and
+   on heavy-tailed Student-t (ν = 3) weights.
+
+Results are printed and written to ``<out_dir>/bench_quant.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from zeropp.quant import (
+    dequantize_from,
+    dequantize_packed,
+    packed_numel,
+    quantize_into,
+    quantize_packed,
+)
+
+BLOCK_SIZE = 256
+BITS = (8, 4)
+INPUT_DTYPES = (torch.float32, torch.bfloat16)
+ERROR_NUMEL = 2**20
+STUDENT_T_DF = 3.0
+
+
+def _device() -> torch.device:
+    """CUDA when present (where the collectives run), else CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _machine(device: torch.device) -> dict[str, Any]:
+    """What the numbers were measured on."""
+    cpu = platform.processor()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as cpuinfo:
+            names = [line.split(":", 1)[1].strip() for line in cpuinfo if "model name" in line]
+        cpu = names[0] if names else cpu
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "num_cpus": os.cpu_count(),
+        "num_threads": torch.get_num_threads(),
+        "load_average_1min": os.getloadavg()[0],  # other work on a shared machine skews timings
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+    }
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    """Median wall time of ``fn`` over ``repeats`` runs, after one warm-up run."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _throughput_rows(
+    numel: int, dtype: torch.dtype, repeats: int, device: torch.device
+) -> list[dict[str, Any]]:
+    """Quantize and dequantize speed for one tensor, at every bit width, against its clone.
+
+    ``copy_`` into a preallocated buffer is reported too: unlike ``clone`` it pays no
+    allocation, so the two bracket the cost of touching the tensor's memory once.
+    """
+    x = torch.randn(numel, device=device).to(dtype)
+    nbytes = numel * x.element_size()
+    decoded = torch.empty_like(x)
+    clone_s = _median_seconds(lambda: torch.clone(x), repeats, device)
+    copy_s = _median_seconds(lambda: decoded.copy_(x), repeats, device)
+    rows = []
+    for bits in BITS:
+        num_bytes = packed_numel(numel, bits, BLOCK_SIZE)
+        packed = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+        encode = lambda: quantize_into(x, bits, BLOCK_SIZE, packed)  # noqa: E731
+        decode = lambda: dequantize_from(packed, bits, BLOCK_SIZE, numel, decoded)  # noqa: E731
+        quantize_s = _median_seconds(encode, repeats, device)
+        dequantize_s = _median_seconds(decode, repeats, device)
+        rows.append({
+            "numel": numel,
+            "dtype": str(dtype).removeprefix("torch."),
+            "bits": bits,
+            "block_size": BLOCK_SIZE,
+            "compression": nbytes / packed.numel(),
+            "clone_gbps": nbytes / clone_s / 1e9,
+            "copy_gbps": nbytes / copy_s / 1e9,
+            "quantize_gbps": nbytes / quantize_s / 1e9,
+            "dequantize_gbps": nbytes / dequantize_s / 1e9,
+            "quantize_vs_clone": clone_s / quantize_s,
+            "dequantize_vs_clone": clone_s / dequantize_s,
+        })
+    return rows
+
+
+def _per_tensor_round_trip(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Quantize with one scale for the whole tensor (absmax / qmax) and decode, in fp32."""
+    qmax = 2 ** (bits - 1) - 1
+    scale = x.abs().max() / qmax
+    return torch.round(x / scale) * scale
+
+
+def _error_stats(x: torch.Tensor, decoded: torch.Tensor) -> dict[str, float]:
+    """RMS, relative RMS and max absolute error of ``decoded`` against ``x``."""
+    error = decoded.double() - x.double()
+    rms = error.square().mean().sqrt().item()
+    return {
+        "rms_error": rms,
+        "relative_rms_error": rms / x.double().square().mean().sqrt().item(),
+        "max_abs_error": error.abs().max().item(),
+    }
+
+
+def _weights(distribution: str, numel: int) -> torch.Tensor:
+    """Synthetic fp32 weights: standard Gaussian or Student-t with ``STUDENT_T_DF`` degrees."""
+    if distribution == "gaussian":
+        return torch.randn(numel)
+    return torch.distributions.StudentT(STUDENT_T_DF).sample((numel,))
+
+
+def _error_rows() -> list[dict[str, Any]]:
+    """Blocked (``BLOCK_SIZE``) vs per-tensor quantization error for each distribution and bits."""
+    torch.manual_seed(0)
+    rows = []
+    for distribution in ("gaussian", f"student_t_df{STUDENT_T_DF:g}"):
+        x = _weights(distribution, ERROR_NUMEL)
+        for bits in BITS:
+            packed = quantize_packed(x, bits, BLOCK_SIZE)
+            blocked = dequantize_packed(packed, bits, BLOCK_SIZE, x.numel(), x.dtype)
+            per_tensor = _per_tensor_round_trip(x, bits)
+            for scheme, decoded in (("block", blocked), ("per_tensor", per_tensor)):
+                stats = _error_stats(x, decoded)
+                rows.append({"distribution": distribution, "bits": bits, "scheme": scheme, **stats})
+    return rows
+
+
+def _print_tables(throughput: list[dict[str, Any]], errors: list[dict[str, Any]]) -> None:
+    """Human-readable summary of both tables (GB/s of the unquantized tensor)."""
+    print(f"{'numel':>10} {'dtype':>9} {'bits':>4} {'clone':>7} {'copy_':>7} {'quant':>7} "
+          f"{'/clone':>6} {'dequant':>7} {'/clone':>6}")
+    for r in throughput:
+        print(f"{r['numel']:>10} {r['dtype']:>9} {r['bits']:>4} {r['clone_gbps']:>7.2f} "
+              f"{r['copy_gbps']:>7.2f} {r['quantize_gbps']:>7.2f} {r['quantize_vs_clone']:>6.2f} "
+              f"{r['dequantize_gbps']:>7.2f} {r['dequantize_vs_clone']:>6.2f}")
+    print(f"\n{'distribution':>16} {'bits':>4} {'scheme':>10} {'rms':>10} {'rel rms':>10} "
+          f"{'max abs':>10}")
+    for r in errors:
+        print(f"{r['distribution']:>16} {r['bits']:>4} {r['scheme']:>10} {r['rms_error']:>10.3e} "
+              f"{r['relative_rms_error']:>10.3e} {r['max_abs_error']:>10.3e}")
+
+
+def run(
+    out_dir: str = "benchmarks/results",
+    sizes: Sequence[int] = (2**20, 2**22, 2**24, 2**26),
+    repeats: int = 5,
+) -> dict:
+    """Measure quantization throughput and error, print them, and write bench_quant.json.
+
+    Throughput (median of ``repeats`` after a warm-up) is in GB/s of the unquantized tensor
+    for fp32 and bf16 input at 8 and 4 bits with block size 256; error is measured on
+    ``ERROR_NUMEL`` fp32 weights.
+    """
+    device = _device()
+    throughput = [
+        row
+        for numel in sizes
+        for dtype in INPUT_DTYPES
+        for row in _throughput_rows(numel, dtype, repeats, device)
+    ]
+    errors = _error_rows()
+    config = {"block_size": BLOCK_SIZE, "sizes": list(sizes), "repeats": repeats}
+    result = {
+        "machine": _machine(device),
+        "config": {**config, "error_numel": ERROR_NUMEL, "gbps": "bytes of the unquantized tensor"},
+        "throughput": throughput,
+        "error": errors,
+    }
+    _print_tables(throughput, errors)
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "bench_quant.json")
+    with open(path, "w") as file:
+        json.dump(result, file, indent=2)
+    print(f"\nwrote {path}")
+    return result

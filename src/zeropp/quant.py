@@ -1,0 +1,366 @@
+"""Symmetric block quantization (INT8 / INT4, fp32 scales) and its one-buffer packing.
+
+ZeRO++ (Wang et al., 2023, §3.1, §3.3) quantizes weights before the all-gather (qwZ) and
+gradients before the all-to-all (qgZ). Both cut a flat tensor into blocks of ``block_size``
+consecutive elements, each with its own scale so an outlier costs precision only in its block,
+and ship codes and scales together. Pure tensor math: the same code runs on CPU and CUDA.
+
+[Note: block code]
+With block absmax ``a`` and ``qmax = 2**(bits - 1) - 1`` (127 or 7), scale = ``a / qmax`` in
+fp32 and code = ``round(x / scale)`` in ``[-qmax, qmax]``: the absmax element maps to ``±qmax``,
+so nothing clips, and ``|x - code * scale| <= scale / 2`` up to fp32 rounding of the division
+and product. A zero block gets scale 0 and decodes to exact zeros. A scale below the smallest
+normal fp32 is rounded with an absolute, not relative, error, so it is moved up one ulp; then
+``scale >= a / qmax`` exactly and the codes still fit. Near the top of the fp32 range a scale
+whose ``qmax * scale`` rounds to inf is moved down one ulp, so finite input decodes finite.
+
+[Note: non-finite blocks]
+A NaN or ±inf in a block gives it a NaN scale and all-zero codes, so the whole block decodes
+to NaN (overflow checks and loss scalers still see it) and no NaN is ever cast to an integer,
+which is undefined behaviour.
+
+[Note: packed layout]
+A packed uint8 buffer is ``[codes | fp32 scales of all blocks]``. Codes are int8 bytes, or for
+4 bits ``code + 8`` nibbles, the even element in the low nibble; they cover the real elements
+only (the last block is zero-padded inside the computation, not on the wire), rounded up to 4
+bytes, so the scales, and every buffer in a run of consecutive ones (one per rank's chunk), are
+4-byte aligned. A run of ``num_chunks`` buffers is coded in one vectorised pass; blocks never straddle
+two chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "dequantize",
+    "dequantize_chunks",
+    "dequantize_from",
+    "dequantize_packed",
+    "error_bound",
+    "packed_numel",
+    "quantize",
+    "quantize_chunks",
+    "quantize_into",
+    "quantize_packed",
+    "quantize_rows",
+    "dequantize_rows",
+]
+
+ALLOWED_BITS = (4, 8)
+MIN_BLOCK_SIZE = 8
+MAX_BLOCK_SIZE = 65536
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+OUTPUT_DTYPES = (*INPUT_DTYPES, torch.float64)
+_SCALE_BYTES = 4  # fp32
+
+
+def _check_config(bits: int, block_size: int) -> None:
+    """Raise ValueError unless ``bits`` and ``block_size`` describe a supported code."""
+    if not isinstance(bits, int) or isinstance(bits, bool) or bits not in ALLOWED_BITS:
+        raise ValueError(f"bits={bits!r} is not supported; allowed: {ALLOWED_BITS}")
+    _check_block_size(block_size)
+
+
+def _check_block_size(block_size: int) -> None:
+    """Raise ValueError unless ``block_size`` is a power of two in the allowed range."""
+    is_int = isinstance(block_size, int) and not isinstance(block_size, bool)
+    in_range = is_int and MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE
+    if not in_range or block_size & (block_size - 1) != 0:
+        raise ValueError(
+            f"block_size={block_size!r} is not allowed; "
+            f"allowed: a power of two in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}]"
+        )
+
+
+def _check_count(name: str, value: int, minimum: int) -> None:
+    """Raise ValueError unless ``value`` is an int of at least ``minimum``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name}={value!r} is not allowed; allowed: an int >= {minimum}")
+
+
+def _check_dtype(name: str, dtype: torch.dtype, allowed: tuple[torch.dtype, ...]) -> None:
+    """Raise ValueError unless ``dtype`` is one of ``allowed``."""
+    if dtype not in allowed:
+        raise ValueError(f"{name}={dtype} is not allowed; allowed: {allowed}")
+
+
+def _check_tensor(name: str, tensor: Tensor, numel: int, dtype: torch.dtype) -> None:
+    """Raise ValueError unless ``tensor`` has ``numel`` elements of ``dtype``."""
+    _check_dtype(f"{name}.dtype", tensor.dtype, (dtype,))
+    if tensor.numel() != numel:
+        raise ValueError(f"{name} has {tensor.numel()} elements; expected {numel}")
+
+
+def _check_packed(name: str, packed: Tensor, numel: int) -> None:
+    """Raise ValueError unless ``packed`` is a contiguous uint8 buffer of ``numel`` bytes that
+    starts 4-byte aligned, so its fp32 scales can be viewed in place."""
+    _check_tensor(name, packed, numel, torch.uint8)
+    if not packed.is_contiguous() or packed.storage_offset() % _SCALE_BYTES != 0:
+        raise ValueError(
+            f"{name} (storage_offset={packed.storage_offset()}, contiguous="
+            f"{packed.is_contiguous()}) is not allowed; allowed: contiguous, 4-byte aligned"
+        )
+
+
+def _check_out(out: Tensor, numel: int) -> None:
+    """Raise ValueError unless ``out`` is a contiguous float tensor of ``numel`` elements."""
+    _check_tensor("out", out, numel, out.dtype)
+    _check_dtype("out.dtype", out.dtype, OUTPUT_DTYPES)
+    if not out.is_contiguous():
+        raise ValueError(f"out (strides {out.stride()}) is not allowed; allowed: contiguous")
+
+
+def _num_blocks(numel: int, block_size: int) -> int:
+    """Number of blocks covering ``numel`` elements, the last one zero-padded."""
+    return -(-numel // block_size)
+
+
+def _data_bytes(numel: int, bits: int, block_size: int) -> int:
+    """Bytes of codes for ``numel`` elements, rounded up to a multiple of 4 (not to whole blocks,
+    so a tiny tensor such as a bias costs a few bytes, not a full block)."""
+    return -(-numel * bits // 32) * 4
+
+
+def packed_numel(numel: int, bits: int, block_size: int) -> int:
+    """Bytes of one packed buffer for ``numel`` elements: codes, then fp32 scales.
+
+    Always a multiple of 4 (see [Note: packed layout]), so buffers can be laid end to end.
+    """
+    _check_config(bits, block_size)
+    _check_count("numel", numel, 0)
+    return _data_bytes(numel, bits, block_size) + _SCALE_BYTES * _num_blocks(numel, block_size)
+
+
+def _to_blocks(chunks: Tensor, block_size: int) -> tuple[Tensor, bool]:
+    """View ``chunks`` (num_chunks, chunk_numel) as fp32 rows of one block each, zero-padded,
+    and say whether that is a fresh copy, which later steps may then overwrite."""
+    padding = -chunks.shape[1] % block_size
+    blocks = chunks.float()
+    if padding:
+        blocks = F.pad(blocks, (0, padding))
+    return blocks.reshape(-1, block_size), padding > 0 or chunks.dtype != torch.float32
+
+
+def _block_scales(blocks: Tensor, bits: int) -> Tensor:
+    """fp32 scale per block row: absmax / qmax, NaN for non-finite blocks (see the Notes)."""
+    qmax = 2 ** (bits - 1) - 1
+    absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_())  # both keep NaN
+    scales = absmax / qmax
+    subnormal = (scales < torch.finfo(torch.float32).tiny) & (absmax > 0)
+    scales = torch.where(subnormal, scales.nextafter(torch.full_like(scales, torch.inf)), scales)
+    overflows = torch.isinf(scales * qmax) & torch.isfinite(absmax)
+    scales = torch.where(overflows, scales.nextafter(torch.zeros_like(scales)), scales)
+    return torch.where(torch.isfinite(scales), scales, torch.nan)
+
+
+def _block_codes(blocks: Tensor, scales: Tensor, overwrite: bool) -> Tensor:
+    """Integer-valued fp32 codes ``round(x / scale)``; zero for zero and non-finite blocks.
+    With ``overwrite`` the codes replace ``blocks`` in place, saving a full-size allocation.
+
+    Dividing by inf maps a zero block to 0 and a non-finite block to 0 or NaN; nan_to_num_
+    then zeroes the NaNs, so the later integer cast never sees one.
+    """
+    divisors = torch.where(scales > 0, scales, torch.inf)[:, None]
+    codes = blocks.div_(divisors) if overwrite else blocks / divisors
+    return codes.round_().nan_to_num_(0.0)
+
+
+def _store_codes(codes: Tensor, bits: int, data_out: Tensor) -> None:
+    """Write the leading fp32 codes of (num_chunks, padded_numel) into ``data_out`` as int8 or
+    nibbles (``data_out`` holds at least the real elements; the codes past them are zeros)."""
+    num_codes = data_out.shape[1] * 8 // bits
+    codes = codes[:, :num_codes]
+    if bits == 8:
+        data_out.view(torch.int8).copy_(codes)
+        return
+    nibbles = codes.to(torch.int8).add_(8).view(torch.uint8)
+    data_out.copy_(nibbles[:, 0::2] | (nibbles[:, 1::2] << 4))
+
+
+def _load_codes(data: Tensor, bits: int, padded_numel: int) -> Tensor:
+    """Read fp32 codes from int8 bytes or nibbles, zero-extended to (num_chunks, padded_numel)."""
+    if bits == 8:
+        codes = data.view(torch.int8).float()
+    else:
+        nibbles = torch.stack((data & 0x0F, data >> 4), dim=-1)
+        codes = nibbles.reshape(data.shape[0], -1).float().sub_(8)
+    return F.pad(codes, (0, padded_numel - codes.shape[1]))
+
+
+def _split_rows(packed: Tensor, bits: int, block_size: int, chunk_numel: int) -> tuple[Tensor, Tensor]:
+    """Views of packed rows (num_chunks, packed bytes): codes (num_chunks, data_bytes) uint8
+    and scales (num_chunks, num_blocks) fp32."""
+    data_bytes = _data_bytes(chunk_numel, bits, block_size)
+    return packed[:, :data_bytes], packed[:, data_bytes:].view(torch.float32)
+
+
+def _check_rows(name: str, rows: Tensor, shape: tuple[int, int], dtype: torch.dtype | None) -> None:
+    """Raise ValueError unless ``rows`` is a 2-D ``shape`` view whose rows are contiguous and,
+    for packed bytes (``dtype`` uint8), start 4-byte aligned so the scales can be viewed."""
+    if dtype is not None:
+        _check_dtype(f"{name}.dtype", rows.dtype, (dtype,))
+    if rows.dim() != 2 or tuple(rows.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(rows.shape)}; expected {shape}")
+    aligned = dtype != torch.uint8 or rows.numel() == 0 or (rows.storage_offset() % _SCALE_BYTES == 0
+                                       and (shape[0] == 1 or rows.stride(0) % _SCALE_BYTES == 0))
+    if (shape[0] > 0 and shape[1] > 1 and rows.stride(1) != 1) or not aligned:
+        raise ValueError(f"{name} (strides {rows.stride()}, storage_offset {rows.storage_offset()}) "
+                         "is not allowed; allowed: contiguous rows, 4-byte aligned for packed bytes")
+
+
+def _encode_into(
+    chunks: Tensor, bits: int, block_size: int, data_out: Tensor, scales_out: Tensor
+) -> None:
+    """Quantize ``chunks`` (num_chunks, chunk_numel) into the views ``data_out``
+    (num_chunks, data_bytes) and ``scales_out`` (num_chunks, num_blocks), in one pass."""
+    blocks, is_copy = _to_blocks(chunks, block_size)  # (num_chunks * num_blocks, block_size)
+    scales = _block_scales(blocks, bits)
+    codes = _block_codes(blocks, scales, overwrite=is_copy)
+    scales_out.copy_(scales.view(scales_out.shape))
+    _store_codes(codes.view(scales_out.shape[0], scales_out.shape[1] * block_size), bits, data_out)
+
+
+def _decode_into(data: Tensor, scales: Tensor, bits: int, block_size: int, out: Tensor) -> None:
+    """Dequantize codes (num_chunks, data_bytes) and scales (num_chunks, num_blocks) into
+    ``out`` (num_chunks, chunk_numel): ``code * scale`` in fp32, then cast to out's dtype."""
+    codes = _load_codes(data, bits, scales.shape[1] * block_size)
+    values = codes.view(-1, block_size).mul_(scales.reshape(-1, 1)).view(codes.shape)
+    out.copy_(values[:, : out.shape[1]])
+
+
+def quantize(x: Tensor, bits: int, block_size: int) -> tuple[Tensor, Tensor]:
+    """Quantize ``x`` (flattened) to ``(data, scales)``: uint8 codes and fp32 per-block scales.
+
+    ``data`` has one byte per padded element for 8 bits and one per two for 4 bits
+    (see [Note: packed layout]); ``scales`` has shape (num_blocks,).
+    """
+    _check_config(bits, block_size)
+    _check_dtype("x.dtype", x.dtype, INPUT_DTYPES)
+    data = torch.empty(_data_bytes(x.numel(), bits, block_size), dtype=torch.uint8, device=x.device)
+    scales = torch.empty(_num_blocks(x.numel(), block_size), dtype=torch.float32, device=x.device)
+    _encode_into(x.reshape(1, -1), bits, block_size, data.view(1, -1), scales.view(1, -1))
+    return data, scales
+
+
+def dequantize(
+    data: Tensor, scales: Tensor, bits: int, block_size: int, numel: int, dtype: torch.dtype
+) -> Tensor:
+    """Decode ``quantize``'s output to a flat tensor of ``numel`` elements in ``dtype``."""
+    _check_config(bits, block_size)
+    _check_count("numel", numel, 0)
+    _check_tensor("data", data, _data_bytes(numel, bits, block_size), torch.uint8)
+    _check_tensor("scales", scales, _num_blocks(numel, block_size), torch.float32)
+    _check_dtype("dtype", dtype, OUTPUT_DTYPES)
+    out = torch.empty(numel, dtype=dtype, device=data.device)
+    _decode_into(data.reshape(1, -1), scales.reshape(1, -1), bits, block_size, out.view(1, -1))
+    return out
+
+
+def quantize_rows(x: Tensor, bits: int, block_size: int, out: Tensor) -> None:
+    """Quantize each row of ``x`` (num_chunks, chunk_numel) independently into the packed row
+    of ``out`` (num_chunks, packed_numel(chunk_numel)), in one vectorised pass.
+
+    Rows may be strided views (e.g. one parameter's segment in every rank's slot of a
+    communication buffer) as long as each row is contiguous.
+    """
+    _check_config(bits, block_size)
+    _check_dtype("x.dtype", x.dtype, INPUT_DTYPES)
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D (num_chunks, chunk_numel), got shape {tuple(x.shape)}")
+    num_chunks, chunk_numel = x.shape
+    _check_rows("x", x, (num_chunks, chunk_numel), None)
+    _check_rows("out", out, (num_chunks, packed_numel(chunk_numel, bits, block_size)), torch.uint8)
+    if chunk_numel == 0:
+        return
+    data_out, scales_out = _split_rows(out, bits, block_size, chunk_numel)
+    _encode_into(x, bits, block_size, data_out, scales_out)
+
+
+def dequantize_rows(packed: Tensor, bits: int, block_size: int, out: Tensor) -> None:
+    """Decode each packed row of ``packed`` into the row of ``out`` (num_chunks, chunk_numel,
+    any float dtype): the receive side of a quantized all-gather or all-to-all."""
+    _check_config(bits, block_size)
+    if out.dim() != 2:
+        raise ValueError(f"out must be 2-D (num_chunks, chunk_numel), got shape {tuple(out.shape)}")
+    num_chunks, chunk_numel = out.shape
+    _check_dtype("out.dtype", out.dtype, OUTPUT_DTYPES)
+    _check_rows("out", out, (num_chunks, chunk_numel), None)
+    _check_rows("packed", packed, (num_chunks, packed_numel(chunk_numel, bits, block_size)), torch.uint8)
+    if chunk_numel == 0:
+        return
+    data, scales = _split_rows(packed, bits, block_size, chunk_numel)
+    _decode_into(data, scales, bits, block_size, out)
+
+
+def quantize_chunks(x: Tensor, num_chunks: int, bits: int, block_size: int, out: Tensor) -> None:
+    """Quantize ``x`` viewed as (num_chunks, chunk_numel) into ``num_chunks`` consecutive
+    packed buffers in ``out``, each chunk independently, in one vectorised pass.
+
+    This is the send side of a quantized all-gather or all-to-all: chunk ``i`` goes to rank ``i``.
+    """
+    _check_config(bits, block_size)
+    _check_count("num_chunks", num_chunks, 1)
+    _check_dtype("x.dtype", x.dtype, INPUT_DTYPES)
+    if x.numel() % num_chunks != 0:
+        raise ValueError(f"num_chunks={num_chunks} does not divide x.numel()={x.numel()}")
+    chunk_numel = x.numel() // num_chunks
+    _check_packed("out", out, num_chunks * packed_numel(chunk_numel, bits, block_size))
+    quantize_rows(x.reshape(num_chunks, chunk_numel), bits, block_size, out.view(num_chunks, -1))
+
+
+def dequantize_chunks(
+    packed: Tensor, num_chunks: int, bits: int, block_size: int, chunk_numel: int, out: Tensor
+) -> None:
+    """Decode ``num_chunks`` consecutive packed buffers of ``chunk_numel`` elements each into
+    ``out`` (num_chunks * chunk_numel elements, any float dtype) in one vectorised pass.
+    """
+    _check_config(bits, block_size)
+    _check_count("num_chunks", num_chunks, 1)
+    _check_count("chunk_numel", chunk_numel, 0)
+    _check_packed("packed", packed, num_chunks * packed_numel(chunk_numel, bits, block_size))
+    _check_out(out, num_chunks * chunk_numel)
+    dequantize_rows(packed.view(num_chunks, -1), bits, block_size, out.view(num_chunks, chunk_numel))
+
+
+def quantize_into(x: Tensor, bits: int, block_size: int, out: Tensor) -> None:
+    """Quantize ``x`` into the packed buffer ``out`` (uint8, ``packed_numel`` bytes, which may
+    be a 4-byte aligned slice of a larger buffer)."""
+    quantize_chunks(x, 1, bits, block_size, out)
+
+
+def dequantize_from(packed: Tensor, bits: int, block_size: int, numel: int, out: Tensor) -> None:
+    """Decode one packed buffer of ``numel`` elements into the flat float tensor ``out``."""
+    dequantize_chunks(packed, 1, bits, block_size, numel, out)
+
+
+def quantize_packed(x: Tensor, bits: int, block_size: int) -> Tensor:
+    """Quantize ``x`` into a new packed uint8 buffer (codes then fp32 scales)."""
+    out = torch.empty(packed_numel(x.numel(), bits, block_size), dtype=torch.uint8, device=x.device)
+    quantize_into(x, bits, block_size, out)
+    return out
+
+
+def dequantize_packed(
+    packed: Tensor, bits: int, block_size: int, numel: int, dtype: torch.dtype
+) -> Tensor:
+    """Decode a packed buffer into a new flat tensor of ``numel`` elements in ``dtype``."""
+    _check_dtype("dtype", dtype, OUTPUT_DTYPES)
+    out = torch.empty(numel, dtype=dtype, device=packed.device)
+    dequantize_from(packed, bits, block_size, numel, out)
+    return out
+
+
+def error_bound(scales: Tensor, block_size: int, numel: int) -> Tensor:
+    """Per-element bound ``scale / 2`` on ``|x - dequantize(quantize(x))|`` for ``numel`` elements.
+
+    This is the exact-arithmetic bound; fp32 rounding of the division and the product adds at
+    most ``(2 * qmax + 1) * scale * 2**-24`` (plus ``2**-150`` where the product underflows),
+    and casting to a narrower dtype adds that dtype's half ulp.
+    """
+    _check_block_size(block_size)
+    _check_count("numel", numel, 0)
+    _check_tensor("scales", scales, _num_blocks(numel, block_size), torch.float32)
+    return (scales.reshape(-1, 1) / 2).expand(-1, block_size).reshape(-1)[:numel]
