@@ -16,7 +16,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 
 from zeropp.codec import ChunkCodec, segments_for
 from zeropp.ledger import CommLedger, GroupInfo, GroupKind, Op, comm_ledger
-from zeropp.topology import Topology
+from zeropp.topology import ProcessGroups, Topology
 
 # torch 2.13 renamed the tensor collectives; 2.11 has only the old names.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -118,6 +118,131 @@ class QuantizedAllGather(_Counted, AllGather):
         _all_gather_tensor(received.view(-1), send.view(-1), group=group)
         codec.decode(received, output_tensor.view(info.size, -1))
         return None
+
+
+def intra_node_send_order(num_nodes: int, ranks_per_node: int) -> torch.Tensor:
+    """qgZ's remap: slot d*N + n of the intra-node send buffer holds chunk n*D + d, so local
+    rank d receives, from every node peer, the N chunks owed to local index d on every node."""
+    return torch.arange(num_nodes * ranks_per_node).view(num_nodes, ranks_per_node).t().reshape(-1)
+
+
+class HierarchicalQuantizedReduceScatter(_Counted, ReduceScatter):
+    """qgZ: the gradient reduce-scatter as two quantized all-to-all hops, intra-node then
+    inter-node, reduced in fp32 between them (ZeRO++ section 3.3). See [Note: qgZ remap].
+
+    [Note: qgZ remap]
+    FSDP2 hands over W = N x D chunks of S elements, chunk c owed to global rank c = n*D + d.
+    Viewed as (N, D, S), the rows [:, d] are the N chunks owed to the ranks with local index d on
+    every node; hop 1 sends them to local rank d, which sums what its node's D ranks sent (the
+    partial sums for node n's rank d), and hop 2 sends partial n to node n over the inter-node
+    group, where the N partials are summed: each rank ends with its own chunk's total. AVG then
+    divides by W exactly. With one node or one rank per node, one hop vanishes.
+
+    Each parameter's slice of a chunk is quantized on its own when the chunk is laid out as the
+    unit's trainable parameters (the usual case); otherwise (a parameter without a gradient
+    this step) the whole chunk is one run of blocks, still quantized with the same bound.
+    """
+
+    technique = "qgZ"
+
+    def __init__(self, groups: ProcessGroups, padded_numels: list[int], *, bits_intra: int,
+                 bits_inter: int, block_size: int, error_feedback: bool = False,
+                 ledger: CommLedger | None = None) -> None:
+        super().__init__(groups.topology, ledger)
+        self.groups = groups
+        self.padded_numels = padded_numels
+        self.bits_intra, self.bits_inter, self.block_size = bits_intra, bits_inter, block_size
+        self.error_feedback = error_feedback
+        self._residuals: dict[int, torch.Tensor] = {}  # hop -> fp32 quantization residual
+        self._codecs: dict[tuple[int, int], ChunkCodec] = {}
+
+    def codec(self, chunk_numel: int, bits: int) -> ChunkCodec:
+        key = (chunk_numel, bits)
+        if key not in self._codecs:
+            world_size = self.topology.world_size
+            if sum(self.padded_numels) == chunk_numel * world_size:
+                segments = segments_for(self.padded_numels, [True] * len(self.padded_numels), world_size, bits)
+            else:
+                segments = segments_for([chunk_numel], [True], 1, bits)
+            self._codecs[key] = ChunkCodec(segments, self.block_size, torch.float32)
+        return self._codecs[key]
+
+    @property
+    def residual_bytes(self) -> int:
+        """Bytes held for error feedback (fp32 residuals of both hops)."""
+        return sum(_nbytes(r) for r in self._residuals.values())
+
+    def reset_error_feedback(self) -> None:
+        """Forget the residuals, e.g. after a loss scaler skipped a step on overflow."""
+        self._residuals.clear()
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, op: dist.ReduceOp, async_op: bool = False) -> dist.Work | None:
+        topology = self.topology
+        if group.size() != topology.world_size:
+            raise ValueError(f"qgZ reduce-scatter runs on the world ({topology.world_size} ranks), "
+                             f"got a group of {group.size()}")
+        if op not in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
+            raise ValueError(f"qgZ reduce-scatter supports ReduceOp.AVG and SUM, got {op}")
+        num_nodes, ranks_per_node = topology.num_nodes, topology.ranks_per_node
+        chunk_numel = output_tensor.numel()
+        chunks = input_tensor.view(num_nodes, ranks_per_node, chunk_numel)
+        if ranks_per_node > 1:
+            partial = self._intra_node_hop(chunks, chunk_numel)  # (N, S) fp32
+        else:
+            partial = chunks[:, 0].float()
+        total = self._inter_node_hop(partial, chunk_numel) if num_nodes > 1 else partial[0]
+        if op == dist.ReduceOp.AVG:
+            total = total.div_(topology.world_size)
+        output_tensor.copy_(total)
+        return None
+
+    def _with_residual(self, hop: int, x: torch.Tensor) -> torch.Tensor:
+        residual = self._residuals.get(hop)
+        if residual is None or residual.shape != x.shape:
+            return x
+        return x.float() + residual
+
+    def _keep_residual(self, hop: int, x: torch.Tensor, packed: torch.Tensor, codec: ChunkCodec) -> None:
+        """Error feedback: remember what quantization lost, to add it before the next call."""
+        decoded = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        codec.decode(packed, decoded)
+        residual = x.float() - decoded
+        self._residuals[hop] = residual if bool(residual.isfinite().all()) else torch.zeros_like(residual)
+
+    def _exchange(self, rows: torch.Tensor, codec: ChunkCodec, hop: int, group: dist.ProcessGroup,
+                  order: torch.Tensor | None = None) -> torch.Tensor:
+        """Quantize ``rows`` (k, S), send them in ``order`` of rows to the group's ranks (equal
+        shares), and return the received rows decoded to fp32 (k, S)."""
+        if self.error_feedback:
+            rows = self._with_residual(hop, rows)
+        packed = torch.empty((rows.shape[0], codec.nbytes), dtype=torch.uint8, device=rows.device)
+        codec.encode(rows, packed)
+        if self.error_feedback:
+            self._keep_residual(hop, rows, packed, codec)
+        send = packed[order] if order is not None else packed
+        received = torch.empty_like(send)
+        size = group.size()
+        bits = codec.segments[0].bits
+        self.record(Op.ALL_TO_ALL, group, send.numel() // size, f"int{bits}")
+        dist.all_to_all_single(received.view(-1), send.reshape(-1), group=group)
+        decoded = torch.empty(rows.shape, dtype=torch.float32, device=rows.device)
+        codec.decode(received, decoded)
+        return decoded
+
+    def _intra_node_hop(self, chunks: torch.Tensor, chunk_numel: int) -> torch.Tensor:
+        """Hop 1: (N, D, S) chunks; local rank d gets rows [:, d] from each node peer; sum them."""
+        num_nodes, ranks_per_node = chunks.shape[:2]
+        codec = self.codec(chunk_numel, self.bits_intra)
+        rows = chunks.reshape(num_nodes * ranks_per_node, chunk_numel)
+        order = intra_node_send_order(num_nodes, ranks_per_node).to(rows.device)
+        decoded = self._exchange(rows, codec, 1, self.groups.intra_node_group, order)
+        return decoded.view(ranks_per_node, num_nodes, chunk_numel).sum(dim=0)
+
+    def _inter_node_hop(self, partial: torch.Tensor, chunk_numel: int) -> torch.Tensor:
+        """Hop 2: partial n goes to node n; sum the N partials received."""
+        codec = self.codec(chunk_numel, self.bits_inter)
+        return self._exchange(partial, codec, 2, self.groups.inter_node_group).sum(dim=0)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

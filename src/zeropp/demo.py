@@ -26,6 +26,8 @@ from zeropp.models import GPT, GPTConfig
 MODES: dict[str, zeropp.ZeroPPConfig] = {
     "zero3": zeropp.ZeroPPConfig(),
     "qwz": zeropp.ZeroPPConfig(quantized_weights=True),
+    "qgz": zeropp.ZeroPPConfig(quantized_gradients=True),
+    "qgz_ef": zeropp.ZeroPPConfig(quantized_gradients=True, error_feedback=True),
 }
 """Demo modes by name: plain ZeRO-3 (FSDP2); the ZeRO++ issues add theirs."""
 

@@ -14,7 +14,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from zeropp.comms import CountingAllGather, CountingReduceScatter, QuantizedAllGather, all_gather_strings
+from zeropp.comms import (
+    CountingAllGather,
+    CountingReduceScatter,
+    HierarchicalQuantizedReduceScatter,
+    QuantizedAllGather,
+    all_gather_strings,
+)
 from zeropp.config import ZeroPPConfig
 from zeropp.topology import ProcessGroups, Topology, build_process_groups, check_hosts, device_type_of
 
@@ -83,7 +89,13 @@ def _install_comms(module: nn.Module, groups: ProcessGroups, config: ZeroPPConfi
             block_size=config.block_size, quantize_intra_node=config.quantize_intra_node_weights))
     else:
         module.set_custom_all_gather(CountingAllGather(groups.topology))
-    module.set_custom_reduce_scatter(CountingReduceScatter(groups.topology))
+    if config.quantized_gradients:
+        trainable = [n for n, t in zip(layout.padded_numels, layout.trainable) if t]
+        module.set_custom_reduce_scatter(HierarchicalQuantizedReduceScatter(
+            groups, trainable, bits_intra=config.grad_bits_intra, bits_inter=config.grad_bits_inter,
+            block_size=config.block_size, error_feedback=config.error_feedback))
+    else:
+        module.set_custom_reduce_scatter(CountingReduceScatter(groups.topology))
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
