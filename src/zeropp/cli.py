@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("what", choices=["quant"])
     bench.add_argument("--out", default="benchmarks/results")
     bench.set_defaults(func=_bench)
+    from zeropp.cluster.cli import add_commands as add_cluster_commands
+
+    add_cluster_commands(sub)
     return parser
 
 

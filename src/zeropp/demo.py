@@ -28,6 +28,10 @@ MODES: dict[str, zeropp.ZeroPPConfig] = {
     "qwz": zeropp.ZeroPPConfig(quantized_weights=True),
     "qgz": zeropp.ZeroPPConfig(quantized_gradients=True),
     "qgz_ef": zeropp.ZeroPPConfig(quantized_gradients=True, error_feedback=True),
+    "hpz": zeropp.ZeroPPConfig(hpz_partition_size=2),
+    "all": zeropp.ZeroPPConfig(quantized_weights=True, hpz_partition_size=2, quantized_gradients=True),
+    "all_ef": zeropp.ZeroPPConfig(quantized_weights=True, hpz_partition_size=2, quantized_gradients=True,
+                                  error_feedback=True),
 }
 """Demo modes by name: plain ZeRO-3 (FSDP2); the ZeRO++ issues add theirs."""
 

@@ -10,6 +10,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -50,12 +51,47 @@ def shard(
     topology = topology if topology is not None else Topology.from_env()
     groups = build_process_groups(topology, device_type_of(model))
     check_hosts(topology, all_gather_strings(socket.gethostname()))
+    check_hpz(config.hpz_partition_size, topology)
     unit_modules = select_units(model, units)
     mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
+    # hpZ: after forward each unit keeps a 1/hpz slice (inside the node) for the backward gather
+    reshard = config.hpz_partition_size if config.hpz_partition_size > 1 else True
     for module in [*unit_modules, model]:
-        fully_shard(module, mesh=groups.mesh, reshard_after_forward=True, mp_policy=mp_policy)
+        fully_shard(module, mesh=groups.mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
         _install_comms(module, groups, config)
+    if config.hpz_partition_size > 1:
+        sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        model.register_forward_pre_hook(lambda *_: _drop_secondary_copies(sharded), prepend=True)
+        model.register_forward_hook(lambda *_: None if torch.is_grad_enabled() else _drop_secondary_copies(sharded))
     return model
+
+
+def check_hpz(hpz_partition_size: int, topology: Topology) -> None:
+    """hpZ's secondary partition must stay inside a node: its size must divide ranks per node
+    (and so the world size)."""
+    if topology.ranks_per_node % hpz_partition_size != 0:
+        divisors = [d for d in range(1, topology.ranks_per_node + 1) if topology.ranks_per_node % d == 0]
+        raise ValueError(
+            f"hpz_partition_size={hpz_partition_size} must divide the ranks per node "
+            f"({topology.ranks_per_node}, layout {topology.num_nodes} nodes x "
+            f"{topology.ranks_per_node}) so that the secondary partition stays inside a node; "
+            f"allowed: {divisors} (1 = off, {topology.ranks_per_node} = the whole node)")
+
+
+def _drop_secondary_copies(units: list[FSDPModule]) -> None:
+    """[Note: hpZ secondary copies are never stale]
+    FSDP2 keeps a unit's post-forward (secondary) shards until its backward. A forward that has
+    no backward (``no_grad`` evaluation, a forward whose loss is dropped) would leave them in
+    place, and the next forward would gather weights from them even after an optimizer step or
+    ``load_state_dict`` changed the primary shards. So every root forward starts from the
+    primary shards, and a ``no_grad`` root forward drops its copies at once (no backward will
+    use them). Resharding is idempotent and costs nothing when no copy is left.
+
+    Between a forward and its backward FSDP2 registers the secondary shards as the module's
+    parameters: an in-place edit through ``model.parameters()`` in that window lands in the
+    secondary copy, not in the primary shards the optimizer holds (FSDP2's behaviour)."""
+    for unit in units:
+        unit.reshard()
 
 
 @dataclass(frozen=True)
