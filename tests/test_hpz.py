@@ -11,7 +11,9 @@ from torch.utils.checkpoint import checkpoint
 import zeropp
 from distributed import run_distributed
 from models import CONTEXT, VOCAB, global_batch, make_model, reference_copy, rows
-from zeropp.shard import check_hpz
+from torch.distributed.fsdp import FSDPModule
+
+from zeropp.shard import check_hpz, secondary_copy_bytes, unit_parameters
 from zeropp.topology import Topology
 
 TWO_BY_TWO = {"ZEROPP_RANKS_PER_NODE": "2"}
@@ -101,10 +103,13 @@ def _hpz_vs_zero3_worker(rank: int, world_size: int, kind: str, steps: int) -> d
             opt.step()
             opt.zero_grad()
             params.append({n: p.full_tensor() for n, p in model.named_parameters()})
-        runs[name] = {"params": params, "ledger": ledger.summary(),
+        runs[name] = {"params": params, "ledger": ledger.summary(), "secondary": secondary_copy_bytes(model),
                       "backward_gathers": ledger.summary(phase="backward", op="all_gather")}
     errors = [_max_rel(h, z) for h, z in zip(runs["hpz"]["params"], runs["zero3"]["params"])]
+    padded = sum(n for m in model.modules() if isinstance(m, FSDPModule)
+                 for n in unit_parameters(m).padded_numels)
     return {"errors": errors, "zero3": runs["zero3"]["ledger"], "hpz": runs["hpz"]["ledger"],
+            "secondary": (runs["zero3"]["secondary"], runs["hpz"]["secondary"]), "padded_numel": padded,
             "hpz_backward_gathers": runs["hpz"]["backward_gathers"]}
 
 
@@ -119,6 +124,8 @@ def test_hpz_matches_zero3_and_keeps_backward_gathers_inside_nodes(kind: str) ->
     but not intra-node; the byte claims are checked on the models without such a unit."""
     for r in run_distributed(_hpz_vs_zero3_worker, 4, kind, 10, env=TWO_BY_TWO):
         assert len(r["errors"]) == 10 and max(r["errors"]) <= 1e-6, r["errors"]
+        # the secondary copy: every parameter (padded, fp32) split over the 2 ranks of a node
+        assert r["secondary"] == (0, r["padded_numel"] * 4 // 2)
         if kind == "probe":
             continue
         backward_gathers = r["hpz_backward_gathers"]

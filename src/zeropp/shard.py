@@ -114,6 +114,26 @@ def unit_parameters(module: FSDPModule) -> UnitParameters:
                           [p.sharded_param.requires_grad for p in params])
 
 
+def secondary_copy_bytes(model: nn.Module) -> int:
+    """Bytes of hpZ's secondary copy on this rank: each unit's parameters (in the gather dtype)
+    split over its hpZ group, held between a unit's forward and its backward. 0 without hpZ."""
+    total = 0
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        param_group = module._get_fsdp_state()._fsdp_param_group
+        if param_group is None or param_group.post_forward_mesh_info is None:
+            continue
+        world_size = param_group.mesh_info.shard_mesh_size
+        group_size = param_group.post_forward_mesh_info.shard_mesh_size
+        if group_size == world_size:
+            continue
+        for p in param_group.fsdp_params:
+            itemsize = (param_group.mp_policy.param_dtype or p.sharded_param.dtype).itemsize
+            total += p.padded_sharded_param_size.numel() * world_size // group_size * itemsize
+    return total
+
+
 def _install_comms(module: nn.Module, groups: ProcessGroups, config: ZeroPPConfig) -> None:
     assert isinstance(module, FSDPModule)
     layout = unit_parameters(module)
