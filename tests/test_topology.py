@@ -91,6 +91,8 @@ def test_ledger_direct_send_model() -> None:
         ledger.record(Op.ALL_GATHER, world, 10, torch.bfloat16, "fsdp")
     assert ledger.summary()["total"]["calls"] == 3
     ledger.step()
+    ledger.step()
     assert "all_gather" in ledger.table()
+    assert ledger.report()["fsdp"] == {"calls": 1.0, "bytes": 50.0, "cross_node_bytes": 20.0}
     ledger.reset()
     assert ledger.summary()["total"] == {"calls": 0, "bytes": 0, "cross_node_bytes": 0}

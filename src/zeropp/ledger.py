@@ -166,6 +166,13 @@ class CommLedger:
         out.update({name: {k: v.as_dict() for k, v in sorted(g.items())} for name, g in groups.items()})
         return out
 
+    def report(self) -> dict[str, dict[str, float]]:
+        """Per-step totals per technique (``fsdp``, ``qwZ``, ``hpZ``, ``qgZ``, ...), averaged over
+        the steps marked with ``step``."""
+        steps = max(self.num_steps, 1)
+        return {technique: {name: value / steps for name, value in totals.items()}
+                for technique, totals in self.summary()["by_technique"].items()}
+
     def rows(self) -> list[dict[str, Any]]:
         """One dict per distinct (op, group, dtype, phase, technique), sorted for printing."""
         rows = [{**_key_fields(k), **t.as_dict()} for k, t in self._totals.items()]
