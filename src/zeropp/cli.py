@@ -20,11 +20,24 @@ def launch_local(module: str, module_args: list[str], num_nodes: int, ranks_per_
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from zeropp.demo import MODES, compare
+
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        print(f"zeropp demo: unknown mode(s) {unknown}; choose from {sorted(MODES)}", file=sys.stderr)
+        return 2
     run_dir = Path(args.runs) / time.strftime("%Y%m%d-%H%M%S")
-    module_args = ["--run-dir", str(run_dir), "--mode", args.mode, "--steps", str(args.steps)]
-    print(f"zeropp demo: {args.nodes} nodes x {args.ranks_per_node} ranks (local processes), "
-          f"mode {args.mode}, {args.steps} steps -> {run_dir}", flush=True)
-    return launch_local("zeropp.demo", module_args, args.nodes, args.ranks_per_node)
+    for mode in modes:
+        module_args = ["--run-dir", str(run_dir / mode), "--mode", mode, "--steps", str(args.steps)]
+        print(f"\nzeropp demo: {args.nodes} nodes x {args.ranks_per_node} ranks (local processes), "
+              f"mode {mode}, {args.steps} steps -> {run_dir / mode}", flush=True)
+        code = launch_local("zeropp.demo", module_args, args.nodes, args.ranks_per_node)
+        if code:
+            return code
+    print("\n" + compare(run_dir, modes))
+    print(f"\nloss curves: {run_dir / 'loss.png'}")
+    return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -41,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zeropp", description="ZeRO++ on PyTorch FSDP2")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train the demo GPT on Shakespeare on local ranks")
-    demo.add_argument("--mode", choices=sorted(MODES), default="zero3")
+    demo.add_argument("--modes", default="zero3,all",
+                      help=f"comma-separated, from {sorted(MODES)} (default: ZeRO-3 and all three ZeRO++)")
     demo.add_argument("--steps", type=int, default=300)
     demo.add_argument("--nodes", type=int, default=2, help="emulated nodes (default 2)")
     demo.add_argument("--ranks-per-node", type=int, default=2)

@@ -147,6 +147,21 @@ def plot_losses(path: Path, runs: dict[str, list[dict]]) -> None:
     plt.close(fig)
 
 
+def compare(run_dir: Path, modes: list[str]) -> str:
+    """A side-by-side table of finished demo runs (``run_dir/<mode>``) and one PNG of their curves."""
+    runs, lines = {}, [f"{'mode':<8}{'train loss':>11}{'val loss':>10}{'s/step':>8}{'MB/step sent':>14}"
+                       f"{'MB/step x-node':>16}"]
+    for mode in modes:
+        records = [json.loads(line) for line in open(run_dir / mode / "metrics.jsonl")]
+        comm = json.loads((run_dir / mode / "comm.json").read_text())["total"]
+        runs[mode], last, steps = records, records[-1], len(records)
+        lines.append(f"{mode:<8}{last['loss']:>11.4f}{last.get('val_loss', float('nan')):>10.4f}"
+                     f"{last['elapsed_s'] / steps:>8.3f}{comm['bytes'] / steps / 1e6:>14.3f}"
+                     f"{comm['cross_node_bytes'] / steps / 1e6:>16.3f}")
+    plot_losses(run_dir / "loss.png", runs)
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="zeropp demo training job (run under torchrun)")
     parser.add_argument("--run-dir", type=Path, required=True)
