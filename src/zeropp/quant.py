@@ -148,6 +148,7 @@ def _block_scales(blocks: Tensor, bits: int) -> Tensor:
     """fp32 scale per block row: absmax / qmax, NaN for non-finite blocks (see the Notes)."""
     qmax = 2 ** (bits - 1) - 1
     absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_())  # both keep NaN
+    absmax.add_(0.0)  # an all-zero block can give -0 (max(-0, +0) depends on vectorisation): make it +0
     scales = absmax / qmax
     subnormal = (scales < torch.finfo(torch.float32).tiny) & (absmax > 0)
     scales = torch.where(subnormal, scales.nextafter(torch.full_like(scales, torch.inf)), scales)
