@@ -5,9 +5,10 @@
 """
 
 from zeropp.config import ZeroPPConfig
+from zeropp.engine import ZeroPPEngine, initialize
 from zeropp.ledger import CommLedger, comm_ledger
 from zeropp.shard import shard
 from zeropp.topology import Topology
 
-__all__ = ["CommLedger", "Topology", "ZeroPPConfig", "comm_ledger", "shard"]
+__all__ = ["CommLedger", "Topology", "ZeroPPConfig", "ZeroPPEngine", "comm_ledger", "initialize", "shard"]
 __version__ = "0.1.0"

@@ -45,6 +45,14 @@ def _bench(args: argparse.Namespace) -> int:
         from zeropp.bench import quant
 
         quant.run(out_dir=args.out)
+    elif args.what == "comm":
+        from zeropp.bench import comm
+
+        comm.run(out_dir=args.out, quick=args.quick)
+    else:
+        from zeropp.bench import step
+
+        step.run(out_dir=args.out, quick=args.quick)
     return 0
 
 
@@ -62,12 +70,21 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--runs", default="runs", help="parent folder of the run directory")
     demo.set_defaults(func=_demo)
     bench = sub.add_parser("bench", help="benchmarks that print a table and write JSON")
-    bench.add_argument("what", choices=["quant"])
+    bench.add_argument("what", choices=["quant", "comm", "step"])
     bench.add_argument("--out", default="benchmarks/results")
+    bench.add_argument("--quick", action="store_true", help="comm/step: a tiny model, one step (smoke run)")
     bench.set_defaults(func=_bench)
+    from zeropp.bench import converge, finetune
+    from zeropp.checkpoint import add_commands as add_checkpoint_commands
     from zeropp.cluster.cli import add_commands as add_cluster_commands
 
+    for name, module, text in [("converge", converge, "loss curves of every mode on Shakespeare"),
+                               ("finetune", finetune, "fine-tune SmolLM2-135M under ZeRO-3 and ZeRO++")]:
+        command = sub.add_parser(name, help=text)
+        module.add_arguments(command)
+        command.set_defaults(func=module.run_from_args)
     add_cluster_commands(sub)
+    add_checkpoint_commands(sub)
     return parser
 
 

@@ -262,3 +262,30 @@ def all_gather_strings(value: str, group: dist.ProcessGroup | None = None) -> li
     out: list[str] = [""] * dist.get_world_size(group)
     dist.all_gather_object(out, value, group=group)
     return out
+
+
+def global_grad_norm_and_overflow(local_grads: Sequence[torch.Tensor], topology: Topology,
+                                  device: torch.device) -> tuple[float, bool]:
+    """The L2 norm of the gradient over every rank's shards, and whether any element on any rank
+    is non-finite: one all-reduce of two numbers (fp64). ``local_grads`` are this rank's shards
+    (plain tensors, not DTensors), each element owned by exactly one rank."""
+    norms = torch._foreach_norm(list(local_grads), 2) if local_grads else []
+    local = torch.stack(norms).double() if norms else torch.zeros(0, dtype=torch.float64, device=device)
+    buffer = torch.stack([local.square().sum(), (~torch.isfinite(local)).sum().double()]).to(device)
+    _Counted(topology).record(Op.ALL_REDUCE, dist.group.WORLD, _nbytes(buffer), buffer.dtype, "engine")
+    dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+    sum_of_squares, num_nonfinite = buffer.tolist()
+    return sum_of_squares ** 0.5, num_nonfinite > 0 or sum_of_squares != sum_of_squares
+
+
+def set_collective_timeout(timeout_s: float) -> None:
+    """Make every process group of this process (the world and zeropp's subgroups, which
+    ``new_group`` creates with the backend's 30-minute default) give up on a collective after
+    ``timeout_s`` seconds, so a dead or hung peer surfaces as an error."""
+    import datetime
+
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    for group in list(c10d._world.pg_map):
+        c10d._set_pg_timeout(timeout, group)

@@ -1,0 +1,173 @@
+"""``zeropp bench step``: training-step time of every mode at several inter-node bandwidths.
+
+On a 2-node x 2-rank emulated cluster, at each bandwidth one job trains every mode (plain FSDP2,
+FSDP2 HSDP, zeropp's qwZ, hpZ, qgZ and all three) in turns, step by step (see the worker), so the
+ratios against plain FSDP2 compare steps taken under the same load of a shared machine. Peak RSS
+is a process-wide figure, so each mode's comes from a job of its own (one step, unlimited links:
+the link rate does not change what a rank holds). Results: ``bench_step.json`` (one record per
+mode x bandwidth) and ``bench_step.png``.
+
+DeepSpeed ZeRO-3, the seed system's own baseline, is an optional peer: when ``deepspeed`` is not
+importable the JSON says so. Its ZeRO++ quantizer kernels are CUDA-only, so on CPU it could only
+run plain ZeRO-3 in any case.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, replace
+from typing import Any
+
+import torch
+
+from zeropp.bench.comm import (
+    NUM_NODES,
+    QUICK_MODEL,
+    RANKS_PER_NODE,
+    cluster_session,
+    gloo_bytes,
+    launch_worker,
+    machine_info,
+    run_each_mode,
+)
+from zeropp.bench.worker import MODES, WorkerConfig
+from zeropp.topology import Topology
+
+BANDWIDTHS = ("unlimited", "1gbit", "100mbit")
+TIMED_STEPS = {"unlimited": 4, "1gbit": 4, "100mbit": 3}
+"""Timed steps per mode: a plain FSDP2 step of the 25M model takes ~20 s at 100 Mbit/s."""
+TARGET_RATIO = {"unlimited": 1.15, "100mbit": 0.45}
+"""Issue 6's bounds on zeropp with all three techniques, as step time / plain FSDP2's."""
+
+
+def deepspeed_status() -> str:
+    """Why DeepSpeed ZeRO-3 is not in the results (it is an optional peer)."""
+    if importlib.util.find_spec("deepspeed") is None:
+        return ("not installed (optional: DS_BUILD_OPS=0 pip install deepspeed==0.19.8, run with "
+                "DS_ACCELERATOR=cpu); not measured")
+    return "installed but not wired into this benchmark; not measured"
+
+
+def mode_rows(record: dict[str, Any], bandwidth: str, memory: dict[str, dict[str, Any]] | None,
+              topology: Topology) -> list[dict[str, Any]]:
+    """One result row per mode of a job at ``bandwidth``: time, ratio, bytes, memory."""
+    baseline = record["modes"]["fsdp"]["median_step_s"] if "fsdp" in record["modes"] else None
+    rows = []
+    for mode, result in record["modes"].items():
+        ledger = result["ledger_per_step"]
+        rss = memory[mode]["peak_rss_mb"] if memory else record["peak_rss_mb"]
+        rows.append({
+            "mode": mode,
+            "bandwidth": bandwidth,
+            "median_step_s": result["median_step_s"],
+            "ratio_vs_fsdp": result["median_step_s"] / baseline if baseline else None,
+            "cross_node_bytes_ledger": sum(r["total"]["cross_node_bytes"] for r in ledger),
+            "cross_node_bytes_wire": result["wire_per_step"]["cross_node_bytes"],
+            "peak_rss_mb": max(rss),
+            "peak_rss_mb_per_rank": rss,
+            "peak_rss_source": "own job (1 step, unlimited)" if memory else "the job of all modes",
+            "cross_node_bytes_gloo_model": sum(gloo_bytes(row, rank, topology)[0]
+                                               for rank, r in enumerate(ledger) for row in r["rows"]),
+            "intra_node_bytes_ledger": sum(r["total"]["bytes"] - r["total"]["cross_node_bytes"] for r in ledger),
+            "intra_node_bytes_wire": result["wire_per_step"]["intra_node_bytes"],
+            "secondary_copy_bytes": max(result["secondary_copy_bytes"]),
+            "step_times_s": result["step_times_s"],
+            "losses": result["losses"],
+        })
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'bandwidth':<10}{'mode':<6}{'median s':>9}{'x fsdp':>8}{'x-node MB ledger':>17}"
+            f"{'wire':>8}{'wire x fsdp':>12}{'peak RSS MB':>12}")
+    lines = ["per training step, all ranks together (wire: inter-node link frames)", head]
+    wire_fsdp = {r["bandwidth"]: r["cross_node_bytes_wire"] for r in rows if r["mode"] == "fsdp"}
+    for r in rows:
+        ratio = f"{r['ratio_vs_fsdp']:.3f}" if r["ratio_vs_fsdp"] is not None else "n/a"
+        wire_ratio = r["cross_node_bytes_wire"] / wire_fsdp[r["bandwidth"]] if r["bandwidth"] in wire_fsdp else None
+        lines.append(f"{r['bandwidth']:<10}{r['mode']:<6}{r['median_step_s']:>9.2f}{ratio:>8}"
+                     f"{r['cross_node_bytes_ledger'] / 1e6:>17.1f}{r['cross_node_bytes_wire'] / 1e6:>8.1f}"
+                     f"{wire_ratio if wire_ratio is not None else float('nan'):>12.3f}{r['peak_rss_mb']:>12.0f}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    """Step time relative to plain FSDP2, and cross-node wire bytes, per bandwidth and mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bandwidths = list(dict.fromkeys(r["bandwidth"] for r in rows))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    by_key = {(r["bandwidth"], r["mode"]): r for r in rows}
+    width = 0.8 / len(modes)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for i, mode in enumerate(modes):
+        xs = [b + (i - (len(modes) - 1) / 2) * width for b in range(len(bandwidths))]
+        ratios = [by_key[(bw, mode)]["ratio_vs_fsdp"] or 0 for bw in bandwidths]
+        wire = [by_key[(bw, mode)]["cross_node_bytes_wire"] / 1e6 for bw in bandwidths]
+        left.bar(xs, ratios, width, label=mode, color=f"C{i}")
+        right.bar(xs, wire, width, label=mode, color=f"C{i}")
+    left.axhline(1.0, color="black", lw=0.8)
+    for b, bandwidth in enumerate(bandwidths):  # the issue's targets for zeropp with all three
+        target = TARGET_RATIO.get(bandwidth)
+        if target is not None:
+            left.plot([b - 0.45, b + 0.45], [target, target], "k--", lw=1)
+            left.annotate(f"target {target}", (b + 0.45, target), fontsize=7, ha="right", va="bottom")
+    left.set_ylabel("median step time / plain FSDP2 (same run)")
+    right.set_ylabel("cross-node bytes per step on the wire (MB, all links)")
+    for ax in (left, right):
+        ax.set_xticks(range(len(bandwidths)), [f"{bw} between nodes" for bw in bandwidths])
+        ax.grid(axis="y", alpha=0.3)
+    left.legend(ncol=3, fontsize=8)
+    fig.suptitle(f"GPT training step, {NUM_NODES} nodes x {RANKS_PER_NODE} CPU ranks (gloo), emulated links")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(out_dir: str = "benchmarks/results", modes: Sequence[str] = MODES,
+        bandwidths: Sequence[str] = BANDWIDTHS, warmup_steps: int = 1, steps: int | None = None,
+        quick: bool = False) -> dict[str, Any]:
+    """Time every mode at every bandwidth, print the table, write bench_step.json and .png.
+
+    ``steps``: timed steps per mode (default ``TIMED_STEPS`` per bandwidth). ``quick``: the
+    0.43M-parameter model, one timed step, no separate memory jobs (a smoke run).
+    """
+    if "fsdp" not in modes:
+        raise ValueError(f"modes={list(modes)} must include 'fsdp', the baseline of every ratio")
+    base = WorkerConfig(modes=tuple(modes), warmup_steps=warmup_steps, wire=True,
+                        **(QUICK_MODEL if quick else {}))
+    topology = Topology(NUM_NODES, RANKS_PER_NODE)
+    started = time.perf_counter()
+    memory = None if quick else run_each_mode(modes, replace(base, warmup_steps=0, steps=1))
+    rows, jobs = [], {}
+    for bandwidth in bandwidths:
+        num_steps = 1 if quick else steps or TIMED_STEPS.get(bandwidth, 3)
+        with cluster_session(NUM_NODES, bandwidth):
+            record, result = launch_worker(replace(base, steps=num_steps), NUM_NODES, RANKS_PER_NODE)
+        rows += mode_rows(record, bandwidth, memory, topology)
+        jobs[bandwidth] = {"elapsed_s": result.elapsed_s, "peak_rss_mb": record["peak_rss_mb"], "steps": num_steps}
+        print(format_table([r for r in rows if r["bandwidth"] == bandwidth]), flush=True)
+    result = {
+        "machine": machine_info(torch.device("cpu")),
+        "config": {**asdict(base), "num_nodes": NUM_NODES, "ranks_per_node": RANKS_PER_NODE,
+                   "num_parameters": record["num_parameters"], "bandwidths": list(bandwidths),
+                   "elapsed_s": time.perf_counter() - started},
+        "deepspeed": deepspeed_status(),
+        "jobs": jobs,
+        "records": rows,
+    }
+    print("\n" + format_table(rows))
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "bench_step.json")
+    with open(path, "w") as file:
+        json.dump(result, file, indent=2)
+    plot(rows, os.path.join(out_dir, "bench_step.png"))
+    print(f"\nwrote {path} and bench_step.png")
+    return result

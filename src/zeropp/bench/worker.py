@@ -1,0 +1,347 @@
+"""One rank of a benchmark training job; ``zeropp bench comm|step`` launch it on every rank.
+
+Run under torchrun (locally, or one torchrun per node through ``zeropp launch``)::
+
+    python -m zeropp.bench.worker --modes fsdp,all --out record.json [--wire]
+
+It builds the demo GPT once per mode (same initial weights), shards each copy the way its mode
+says, and trains them in turns: warm-up steps, then timed steps (forward, backward, AdamW) on
+Shakespeare, the modes interleaved step by step so a shared machine's changing load hits every
+mode alike. Rank 0 writes one JSON record with, per mode: each step's time (slowest rank), the
+ledger's per-step bytes of every rank, the hpZ secondary copy, and with ``--wire`` (on the
+emulated cluster) what the inter-node links and every node's loopback carried, per step. Peak RSS
+is per process: it belongs to a mode only when the job runs one mode.
+
+[Note: timed window]
+Each timed step runs in a window: all ranks meet (a small all-gather), rank 0 reads the link
+counters and each node's first rank its loopback counter, the ledger is cleared, the step runs, and
+the ranks meet and read again. Start-up (rendezvous, building the models, warm-up) and the
+meetings' own bytes (a few hundred per window) are left out, so the counter deltas are the bytes of
+that one training step. A rank's step time is its own forward-to-optimizer time; the step's time
+is the slowest rank's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import time
+import warnings
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+import zeropp
+from zeropp.comms import CountingAllGather, CountingReduceScatter, all_gather_strings
+from zeropp.data import CharCorpus
+from zeropp.ledger import GroupInfo, Op
+from zeropp.models import GPT, GPTConfig
+from zeropp.shard import secondary_copy_bytes, select_units
+
+MODES = ("fsdp", "hsdp", "qwz", "hpz", "qgz", "all")
+"""``fsdp``: zeropp.shard without techniques (plain FSDP2, comms counted); ``hsdp``: FSDP2's own
+hybrid sharding (replicate across nodes, shard within); the rest: ZeRO++ techniques, alone or all."""
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+_COUNTS = ("calls", "bytes", "cross_node_bytes")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    """One benchmark job. Defaults: a 25.3M-parameter GPT, bf16 compute and gathers, fp32 reduce."""
+
+    modes: tuple[str, ...] = MODES
+    """Modes to train, in turns (see ``MODES``)."""
+    warmup_steps: int = 1
+    """Untimed steps per mode first (lazy initialisation, allocator warm-up)."""
+    steps: int = 3
+    """Timed steps per mode."""
+    batch_size: int = 16
+    """Global batch (sequences), split evenly over the ranks."""
+    context_length: int = 64
+    num_layers: int = 8
+    embed_dim: int = 512
+    num_heads: int = 8
+    param_dtype: str = "bfloat16"
+    """Dtype of compute and of the weight all-gathers (FSDP2 mixed precision)."""
+    reduce_dtype: str = "float32"
+    """Dtype of the gradient reduction (torchtitan's default: fp32)."""
+    lr: float = 3e-4
+    seed: int = 0
+    wire: bool = False
+    """Read the emulated cluster's link counters and each node's loopback around every timed step."""
+
+    def __post_init__(self) -> None:
+        unknown = [mode for mode in self.modes if mode not in MODES]
+        if not self.modes or unknown or len(set(self.modes)) != len(self.modes):
+            raise ValueError(f"modes={list(self.modes)} must be distinct names from {list(MODES)}")
+        for name in ("param_dtype", "reduce_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {list(DTYPES)}")
+        if self.steps < 1 or self.warmup_steps < 0:
+            raise ValueError(f"steps={self.steps} must be >= 1 and warmup_steps={self.warmup_steps} >= 0")
+
+    def worker_args(self) -> list[str]:
+        """The command-line arguments of ``main`` that give this config."""
+        args = []
+        for name, value in asdict(self).items():
+            flag = f"--{name.replace('_', '-')}"
+            if isinstance(value, bool):
+                args += [flag] if value else []
+            else:
+                args += [flag, ",".join(value) if isinstance(value, tuple) else str(value)]
+        return args
+
+
+def zeropp_config(mode: str, topology: zeropp.Topology, mp: MixedPrecisionPolicy) -> zeropp.ZeroPPConfig:
+    """The ZeroPPConfig of a zeropp mode; hpZ shares the secondary copy across the whole node."""
+    techniques = {
+        "fsdp": {},
+        "qwz": {"quantized_weights": True},
+        "hpz": {"hpz_partition_size": topology.ranks_per_node},
+        "qgz": {"quantized_gradients": True},
+        "all": {"quantized_weights": True, "hpz_partition_size": topology.ranks_per_node,
+                "quantized_gradients": True},
+    }[mode]
+    return zeropp.ZeroPPConfig(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype, **techniques)
+
+
+def shard_hsdp(model: nn.Module, topology: zeropp.Topology, mp: MixedPrecisionPolicy) -> None:
+    """FSDP2 hybrid sharding: shard inside each node, replicate across nodes.
+
+    Its all-gathers and reduce-scatters (intra-node) go through zeropp's counting comms; the
+    gradient all-reduce across nodes is FSDP2's own, counted by its all-reduce hook, which sees
+    each unit's reduced gradient shard: an all-reduce of B bytes over N ranks is counted as a
+    reduce-scatter plus an all-gather, B/N bytes owed to each peer twice (the ledger's rule).
+    """
+    mesh = init_device_mesh("cpu", (topology.num_nodes, topology.ranks_per_node),
+                            mesh_dim_names=("replicate", "shard"))
+    replicate_ranks = dist.get_process_group_ranks(mesh.get_group("replicate"))
+    replicate = GroupInfo.of(topology, replicate_ranks, dist.get_rank())
+    ledger = zeropp.comm_ledger()
+
+    def count_all_reduce(reduced: torch.Tensor) -> None:
+        if replicate.size > 1:
+            nbytes = reduced.numel() * reduced.element_size()
+            ledger.record(Op.ALL_REDUCE, replicate, nbytes // replicate.size, reduced.dtype, "hsdp")
+
+    for module in [*select_units(model, None), model]:
+        fully_shard(module, mesh=mesh, reshard_after_forward=True, mp_policy=mp)
+        assert isinstance(module, FSDPModule)
+        module.set_custom_all_gather(CountingAllGather(topology))
+        module.set_custom_reduce_scatter(CountingReduceScatter(topology))
+        module.set_all_reduce_hook(count_all_reduce)
+
+
+def build_model(mode: str, config: WorkerConfig, vocab_size: int, topology: zeropp.Topology) -> nn.Module:
+    """The GPT (the same initial weights for every mode and rank), sharded as ``mode`` says."""
+    torch.manual_seed(config.seed)
+    model = GPT(GPTConfig(vocab_size=vocab_size, context_length=config.context_length,
+                          num_layers=config.num_layers, num_heads=config.num_heads,
+                          embed_dim=config.embed_dim))
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[config.param_dtype], reduce_dtype=DTYPES[config.reduce_dtype])
+    if mode == "hsdp":
+        shard_hsdp(model, topology, mp)
+    else:
+        zeropp.shard(model, zeropp_config(mode, topology, mp), topology=topology)
+    return model
+
+
+class Trainer:
+    """One mode's model and optimizer, and the batch rows this rank trains on."""
+
+    def __init__(self, model: nn.Module, corpus: CharCorpus, config: WorkerConfig) -> None:
+        self.model, self.corpus, self.config = model, corpus, config
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        self.rows = slice(rank * config.batch_size // world_size, (rank + 1) * config.batch_size // world_size)
+
+    def step(self, step: int) -> tuple[float, float]:
+        """One training step on the global batch ``step``; this rank's time (s) and local loss."""
+        x, y = self.corpus.batch_at("train", step, self.config.batch_size, self.config.context_length,
+                                    self.config.seed)
+        started = time.perf_counter()
+        _, loss = self.model(x[self.rows], y[self.rows])
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - started, loss.item()
+
+
+def loopback_bytes() -> int:
+    """Bytes this network namespace's loopback has sent: on an emulated node, the traffic between
+    its own ranks (they reach each other's address through ``lo``)."""
+    for line in Path("/proc/net/dev").read_text().splitlines():
+        name, _, fields = line.partition(":")
+        if name.strip() == "lo":
+            return int(fields.split()[8])
+    raise RuntimeError("/proc/net/dev has no 'lo' line")
+
+
+def read_counters(topology: zeropp.Topology) -> dict[str, Any]:
+    """What this rank reads at a window edge: rank 0 the links' bytes sent by each node, a
+    node's first rank its loopback."""
+    from zeropp.cluster import Cluster
+
+    rank, counters = dist.get_rank(), {}
+    if rank == 0:
+        cluster = Cluster.current()
+        if cluster is None:
+            raise RuntimeError("--wire needs the emulated cluster (run under `zeropp launch`); none is up")
+        counters["links"] = {str(node): c["tx_bytes"] for node, c in cluster.link_bytes().items()}
+    if topology.local_rank_of(rank) == 0:
+        counters["loopback"] = loopback_bytes()
+    return counters
+
+
+def gather_json(value: Any) -> list[Any]:
+    """Every rank's JSON-able ``value`` in rank order (also a meeting point of all ranks)."""
+    return [json.loads(text) for text in all_gather_strings(json.dumps(value))]
+
+
+class Window:
+    """Per-step bytes of one mode, summed over its timed steps (see [Note: timed window])."""
+
+    def __init__(self, topology: zeropp.Topology, wire: bool) -> None:
+        self.topology, self.wire = topology, wire
+        self.ledger_rows: dict[tuple, dict[str, int]] = defaultdict(lambda: dict.fromkeys(_COUNTS, 0))
+        self.links: dict[str, int] = defaultdict(int)
+        self.loopback: dict[str, int] = defaultdict(int)
+
+    def open(self) -> list[Any]:
+        before = gather_json(read_counters(self.topology) if self.wire else None)
+        zeropp.comm_ledger().reset()
+        return before
+
+    def close(self, before: list[Any]) -> None:
+        for row in zeropp.comm_ledger().rows():
+            key = tuple(row[k] for k in ("phase", "op", "kind", "group_size", "dtype", "technique"))
+            for count in _COUNTS:
+                self.ledger_rows[key][count] += row[count]
+        after = gather_json(read_counters(self.topology) if self.wire else None)
+        if self.wire:
+            for node, sent in after[0]["links"].items():
+                self.links[node] += sent - before[0]["links"][node]
+            for node in range(self.topology.num_nodes):
+                first = node * self.topology.ranks_per_node
+                self.loopback[str(node)] += after[first]["loopback"] - before[first]["loopback"]
+
+    def ledger_per_step(self, num_steps: int) -> dict[str, Any]:
+        """This rank's ledger rows and totals (overall, by op / group / technique) per step."""
+        rows = [{"phase": k[0], "op": k[1], "kind": k[2], "group_size": k[3], "dtype": k[4],
+                 "technique": k[5], **{c: v / num_steps for c, v in counts.items()}}
+                for k, counts in sorted(self.ledger_rows.items())]
+        out: dict[str, Any] = {"total": {c: sum(r[c] for r in rows) for c in _COUNTS}, "rows": rows}
+        for name, field in (("by_op", "op"), ("by_group", "kind"), ("by_technique", "technique")):
+            out[name] = {value: {c: sum(r[c] for r in rows if r[field] == value) for c in _COUNTS}
+                         for value in sorted({r[field] for r in rows})}
+        return out
+
+    def wire_per_step(self, num_steps: int) -> dict[str, Any] | None:
+        """Bytes each node's link sent and its loopback carried, per step (None without ``wire``)."""
+        if not self.wire:
+            return None
+        links = {node: sent / num_steps for node, sent in self.links.items()}
+        loopback = {node: sent / num_steps for node, sent in self.loopback.items()}
+        return {"links_tx_bytes": links, "cross_node_bytes": sum(links.values()),
+                "loopback_bytes": loopback, "intra_node_bytes": sum(loopback.values())}
+
+
+def train_interleaved(trainers: dict[str, Trainer], windows: dict[str, Window],
+                      config: WorkerConfig) -> dict[str, dict[str, list[float]]]:
+    """Warm-up, then timed steps; each round runs one step of every mode, the order rotating by
+    one each round so no mode always runs first. This rank's times and losses per mode."""
+    modes = list(trainers)
+    for step in range(config.warmup_steps):
+        for mode in modes:
+            trainers[mode].step(step)
+    results = {mode: {"times": [], "losses": []} for mode in modes}
+    for i in range(config.steps):
+        for mode in modes[i % len(modes):] + modes[:i % len(modes)]:
+            before = windows[mode].open()
+            seconds, loss = trainers[mode].step(config.warmup_steps + i)
+            windows[mode].close(before)
+            results[mode]["times"].append(seconds)
+            results[mode]["losses"].append(loss)
+    return results
+
+
+def run(config: WorkerConfig) -> dict[str, Any] | None:
+    """Train and measure on this rank; rank 0 returns the record, the others None."""
+    topology = zeropp.Topology.from_env()
+    corpus = CharCorpus.shakespeare()
+    models = {mode: build_model(mode, config, corpus.vocab_size, topology) for mode in config.modes}
+    trainers = {mode: Trainer(model, corpus, config) for mode, model in models.items()}
+    windows = {mode: Window(topology, config.wire) for mode in config.modes}
+    results = train_interleaved(trainers, windows, config)
+    mine = {mode: {**results[mode], "ledger": windows[mode].ledger_per_step(config.steps),
+                   "secondary_copy_bytes": secondary_copy_bytes(models[mode])} for mode in config.modes}
+    ranks = gather_json({"modes": mine, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+    if dist.get_rank() != 0:
+        return None
+    return {
+        "config": asdict(config),
+        "topology": {"num_nodes": topology.num_nodes, "ranks_per_node": topology.ranks_per_node,
+                     "world_size": topology.world_size},
+        "num_parameters": sum(p.numel() for p in next(iter(models.values())).parameters()),
+        "peak_rss_mb": [r["peak_rss_mb"] for r in ranks],
+        "modes": {mode: mode_record(mode, [r["modes"][mode] for r in ranks], windows[mode], config.steps)
+                  for mode in config.modes},
+    }
+
+
+def mode_record(mode: str, ranks: list[dict[str, Any]], window: Window, num_steps: int) -> dict[str, Any]:
+    """One mode's results from every rank's (``window``: rank 0's, which holds the counters)."""
+    step_times = [max(r["times"][i] for r in ranks) for i in range(num_steps)]
+    return {
+        "mode": mode,
+        "step_times_s": step_times,
+        "median_step_s": statistics.median(step_times),
+        "losses": [statistics.fmean(r["losses"][i] for r in ranks) for i in range(num_steps)],
+        "ledger_per_step": [r["ledger"] for r in ranks],
+        "secondary_copy_bytes": [r["secondary_copy_bytes"] for r in ranks],
+        "wire_per_step": window.wire_per_step(num_steps),
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``--out`` and one flag per ``WorkerConfig`` field (``--modes fsdp,all``, ``--wire``)."""
+    parser = argparse.ArgumentParser(description="zeropp benchmark training job (run under torchrun)")
+    parser.add_argument("--out", type=Path, required=True, help="where rank 0 writes the JSON record")
+    for name, default in asdict(WorkerConfig()).items():
+        flag = f"--{name.replace('_', '-')}"
+        if isinstance(default, bool):
+            parser.add_argument(flag, action="store_true")
+        elif isinstance(default, tuple):
+            parser.add_argument(flag, type=lambda text: tuple(text.split(",")), default=default)
+        else:
+            parser.add_argument(flag, type=type(default), default=default)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = vars(build_parser().parse_args(argv))
+    out = args.pop("out")
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    dist.init_process_group("gloo")
+    try:
+        record = run(WorkerConfig(**args))
+        if record is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(record, indent=2) + "\n")
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""The benchmark harness: the worker's record on 4 local gloo ranks (2 nodes x 2 declared), gloo's
+wire model against the per-op facts measured on the emulated cluster, and, where network
+namespaces are permitted, one tiny job on the cluster whose wire bytes must match the model."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from distributed import run_distributed
+from zeropp.bench import comm
+from zeropp.bench.worker import WorkerConfig, build_parser, run
+from zeropp.cluster import check_support
+from zeropp.cluster.netns import list_namespaces
+from zeropp.topology import Topology
+
+TINY = WorkerConfig(modes=("fsdp", "all"), warmup_steps=0, steps=1, batch_size=8, context_length=16,
+                    num_layers=1, embed_dim=64, num_heads=2)
+TOPOLOGY = Topology(num_nodes=2, ranks_per_node=2)
+
+
+def test_worker_config_round_trips_through_the_command_line() -> None:
+    config = replace(TINY, wire=True, modes=("hsdp", "qgz"))
+    args = vars(build_parser().parse_args(["--out", "r.json", *config.worker_args()]))
+    args.pop("out")
+    assert WorkerConfig(**args) == config
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"modes": ("fsdp", "zero4")}, "modes=\\['fsdp', 'zero4'\\] must be distinct names from"),
+    ({"modes": ()}, "modes=\\[\\] must be distinct names"),
+    ({"reduce_dtype": "float16"}, "reduce_dtype='float16' is not one of \\['bfloat16', 'float32'\\]"),
+    ({"steps": 0}, "steps=0 must be >= 1"),
+])
+def test_worker_config_rejects(changes: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        replace(TINY, **changes)
+
+
+def _run_tiny(rank: int, world_size: int) -> dict | None:
+    return run(TINY)
+
+
+def test_worker_record_on_local_ranks() -> None:
+    record, *others = run_distributed(_run_tiny, 4, env={"ZEROPP_RANKS_PER_NODE": "2"})
+    assert others == [None, None, None]
+    num_params = record["num_parameters"]
+    assert record["topology"] == {"num_nodes": 2, "ranks_per_node": 2, "world_size": 4}
+    assert len(record["peak_rss_mb"]) == 4 and min(record["peak_rss_mb"]) > 100
+    fsdp, every = record["modes"]["fsdp"], record["modes"]["all"]
+    for result in (fsdp, every):
+        assert len(result["step_times_s"]) == 1 and result["median_step_s"] > 0
+        assert result["wire_per_step"] is None
+        assert len(result["ledger_per_step"]) == 4
+    # Same weights and batch: the first loss is the initial loss, near ln(vocab), in both modes;
+    # qwZ's INT8 weights move it by far less than 1%.
+    assert math.isclose(fsdp["losses"][0], math.log(84), rel_tol=0.05)
+    assert math.isclose(every["losses"][0], fsdp["losses"][0], rel_tol=0.01)
+    # Plain FSDP2's gradient reduce-scatter in fp32: each rank owes every remote rank a quarter
+    # of the (padded) gradient; padding adds at most a few rows.
+    reduce_scatter = fsdp["ledger_per_step"][0]["by_op"]["reduce_scatter"]["cross_node_bytes"]
+    assert num_params * 4 / 4 * 2 <= reduce_scatter <= num_params * 4 / 4 * 2 * 1.02
+    # hpZ's secondary copy: the bf16 parameters split over the node's 2 ranks.
+    assert fsdp["secondary_copy_bytes"] == [0] * 4
+    assert all(num_params <= b <= num_params * 1.02 for b in every["secondary_copy_bytes"])
+    # all three techniques: nothing but qwZ's forward gather and qgZ's second hop crosses nodes.
+    techniques = every["ledger_per_step"][0]["by_technique"]
+    assert techniques["hpZ"]["cross_node_bytes"] == 0
+    total = sum(r["total"]["cross_node_bytes"] for r in every["ledger_per_step"])
+    assert total < 0.25 * sum(r["total"]["cross_node_bytes"] for r in fsdp["ledger_per_step"])
+
+
+def _row(op: str, kind: str, group_size: int, bytes_sent: float, cross: float) -> dict:
+    return {"op": op, "kind": kind, "group_size": group_size, "bytes": bytes_sent,
+            "cross_node_bytes": cross, "phase": "forward", "dtype": "float32", "calls": 1}
+
+
+@pytest.mark.parametrize("op,kind,size,per_peer,ledger_cross,wire_cross", [
+    # Measured on the 2 x 2 cluster with a chunk of c bytes per rank (frames / 1.046):
+    ("all_gather", "world", 4, 1, 8, 6),        # ring: 2 of the 4 ring edges cross, 3c each
+    ("reduce_scatter", "world", 4, 1, 8, 12),   # all-reduce of 4c underneath, ring: 6c per edge
+    ("all_to_all", "world", 4, 1, 8, 8),        # direct sends
+    ("all_to_all", "inter", 2, 1, 4, 4),
+    ("all_gather", "intra", 2, 1, 0, 0),
+])
+def test_gloo_model_matches_the_measured_ops(op: str, kind: str, size: int, per_peer: int,
+                                            ledger_cross: int, wire_cross: int) -> None:
+    remote = {"world": 2, "inter": 1, "intra": 0}[kind]
+    row = _row(op, kind, size, per_peer * (size - 1), per_peer * remote)
+    crosses = [comm.gloo_bytes(row, rank, TOPOLOGY)[0] for rank in range(4)]
+    assert sum(row["cross_node_bytes"] for _ in range(4)) == ledger_cross
+    assert sum(crosses) == wire_cross
+
+
+def test_gloo_model_of_an_inter_node_all_reduce() -> None:
+    # HSDP: an all-reduce of 2c over 2 ranks is counted as c owed to the peer twice; a ring
+    # all-reduce of 2 ranks sends 2c per rank, the same: 8c in all (measured).
+    row = _row("all_reduce", "inter", 2, 2, 2)
+    assert sum(comm.gloo_bytes(row, rank, TOPOLOGY)[0] for rank in range(4)) == 8
+
+
+@pytest.fixture
+def namespaces() -> None:
+    reason = check_support()
+    if reason is not None:
+        pytest.skip(reason)
+    if list_namespaces():
+        pytest.skip(f"namespaces {list_namespaces()} exist: another cluster is up")
+
+
+def test_wire_matches_gloo_model_on_the_cluster(namespaces: None) -> None:
+    config = replace(TINY, wire=True, embed_dim=256, num_heads=4)
+    with comm.cluster_session(2, None, wait_s=60):
+        record, result = comm.launch_worker(config, 2, 2)
+    assert result.exit_code == 0
+    for mode, mode_record in record["modes"].items():
+        classes = comm.link_classes(mode_record, TOPOLOGY)
+        # Frames carry 4.6% more than the payload; the two meetings around the step add a little.
+        assert 1.0 <= classes["wire_vs_gloo_model"]["cross_node"] <= 1.10, (mode, classes)
+        assert 1.0 <= classes["wire_vs_gloo_model"]["intra_node"] <= 1.10, (mode, classes)

@@ -1,0 +1,65 @@
+"""``zeropp converge`` end to end on a tiny model: what it writes, and that a rerun resumes."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from zeropp.bench import converge
+
+STEPS = 4
+TINY = {"num_layers": 2, "embed_dim": 32, "num_heads": 2, "batch_size": 8, "context_length": 16}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("converge")
+    converge.run(out_dir, steps=STEPS, modes=("zero3", "qgz"), eval_every=2, eval_batches=1,
+                 runs_dir=out_dir / "runs", **TINY)
+    return out_dir, json.loads((out_dir / "converge.json").read_text())
+
+
+def test_json_has_every_mode_with_curves_and_deltas(results) -> None:
+    out_dir, written = results
+    assert written["settings"]["steps"] == STEPS and written["settings"]["num_nodes"] == 2
+    assert list(written["modes"]) == ["zero3", "qgz", converge.REFERENCE]
+    for entry in written["modes"].values():
+        assert len(entry["train_loss"]) == STEPS
+        assert [step for step, _ in entry["val_loss"]] == [2, 4]
+        assert entry["final_val_loss"] == entry["val_loss"][-1][1]
+        assert all(math.isfinite(loss) for loss in entry["train_loss"])
+    zero3 = written["modes"]["zero3"]["final_val_loss"]
+    qgz = written["modes"]["qgz"]
+    assert written["modes"]["zero3"]["val_delta_vs_zero3_percent"] == 0
+    assert qgz["val_delta_vs_zero3_percent"] == pytest.approx(100 * (qgz["final_val_loss"] - zero3) / zero3)
+    assert written["modes"]["qgz"]["zeropp_config"]["quantized_gradients"] is True
+    assert (out_dir / "converge.png").stat().st_size > 0
+
+
+def test_first_loss_matches_single_process_reference(results) -> None:
+    """Step 1's loss is computed from the initial weights, which every run shares: the 4 ranks'
+    mean of 4 row-block means equals the reference's mean up to fp32 rounding (~1e-7 relative)."""
+    _, written = results
+    reference = written["modes"][converge.REFERENCE]["train_loss"][0]
+    for mode in ("zero3", "qgz"):
+        assert written["modes"][mode]["train_loss"][0] == pytest.approx(reference, rel=1e-5)
+
+
+def test_rerun_skips_finished_modes(results, monkeypatch) -> None:
+    out_dir, written = results
+
+    def must_not_train(*args, **kwargs):
+        raise AssertionError("a finished mode was trained again")
+
+    monkeypatch.setattr(converge, "_train_mode", must_not_train)
+    monkeypatch.setattr(converge, "train_reference", must_not_train)
+    again = converge.run(out_dir, steps=STEPS, modes=("zero3", "qgz"), eval_every=2, eval_batches=1,
+                         runs_dir=out_dir / "runs", **TINY)
+    assert again["modes"]["qgz"]["train_loss"] == written["modes"]["qgz"]["train_loss"]
+
+
+def test_unknown_mode_is_named() -> None:
+    with pytest.raises(ValueError, match="'nope'"):
+        converge.run("unused", modes=("zero3", "nope"))
