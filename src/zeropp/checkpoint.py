@@ -109,7 +109,8 @@ def read_dcp_metadata(path: Path) -> Metadata:
     try:
         metadata = _MetadataUnpickler(io.BytesIO(file.read_bytes())).load()
     except Exception as error:  # any unpickling failure means the file is not DCP metadata
-        raise CheckpointError(f"{file}: not readable DCP metadata ({type(error).__name__}: {error})") from error
+        problem = f"{type(error).__name__}: {error}"
+        raise CheckpointError(f"{file}: not readable DCP metadata ({problem})") from error
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{file}: holds a {type(metadata).__name__}, not DCP Metadata")
     return metadata
@@ -184,9 +185,10 @@ def read_manifest(path: Path) -> Manifest:
         raw = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{file}: not readable JSON ({error})") from error
-    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-        raise CheckpointError(f"{file}: not a zeropp checkpoint manifest (format "
-                              f"{raw.get('format') if isinstance(raw, dict) else None!r}, expected {FORMAT!r})")
+    found = raw.get("format") if isinstance(raw, dict) else None
+    if found != FORMAT:
+        raise CheckpointError(f"{file}: not a zeropp checkpoint manifest (format {found!r}, "
+                              f"expected {FORMAT!r})")
     if raw.get("version") != FORMAT_VERSION:
         raise CheckpointError(f"{file}: format version {raw.get('version')!r}; this zeropp reads "
                               f"version {FORMAT_VERSION}")
@@ -305,7 +307,8 @@ def _by_rank(messages: Iterable[tuple[int, str]]) -> str:
 
 def _dcp_failures(error: CheckpointException) -> str:
     """DCP's per-rank exceptions, without its tracebacks (kept in the exception chain)."""
-    return _by_rank((rank, f"{type(exc).__name__}: {exc}") for rank, (exc, _) in sorted(error.failures.items()))
+    failures = sorted(error.failures.items())
+    return _by_rank((rank, f"{type(exc).__name__}: {exc}") for rank, (exc, _) in failures)
 
 
 def _write_json(file: Path, value: Any) -> None:
@@ -375,7 +378,8 @@ def save(directory: str | os.PathLike[str], tag: str, *, model: nn.Module,
                               f"JSON-serialisable (dict/list/str/int/float/bool/None): {error}") from error
     tags = all_gather_strings(tag)
     if len(set(tags)) != 1:
-        raise CheckpointError(f"{directory}: the ranks passed different tags {tags}; pass the same tag on every rank")
+        raise CheckpointError(f"{directory}: the ranks passed different tags {tags}; "
+                              "pass the same tag on every rank")
     _agree("creating the staging directory", staging,
            lambda: _fresh_directory(staging) if rank == 0 else None)
     optimizer_initialized = bool(optimizer.state)
@@ -385,13 +389,16 @@ def save(directory: str | os.PathLike[str], tag: str, *, model: nn.Module,
             dcp.save({"model": model_state, "optimizer": optimizer_state},
                      storage_writer=FileSystemWriter(staging))
         except CheckpointException as error:  # raised on every rank when any rank failed
-            raise CheckpointError(f"{staging}: writing the DCP checkpoint failed on {_dcp_failures(error)}") from error
+            failures = _dcp_failures(error)
+            raise CheckpointError(f"{staging}: writing the DCP checkpoint failed on {failures}") from error
         finally:
             if not optimizer_initialized:
                 optimizer.state.clear()  # see [Note: optimizer state before the first step]
-        _agree("writing per-rank state", staging, lambda: _write_json(staging / f"rank{rank}.json", rank_state))
+        _agree("writing per-rank state", staging,
+               lambda: _write_json(staging / f"rank{rank}.json", rank_state))
         shares = _agree("hashing files", staging, lambda: _hash_share(staging, rank, world_size))
-        files = {name: entry for share in all_gather_strings(shares) for name, entry in json.loads(share).items()}
+        files = {name: entry for share in all_gather_strings(shares)
+                 for name, entry in json.loads(share).items()}
         manifest = {"format": FORMAT, "version": FORMAT_VERSION, "world_size": world_size,
                     "torch_version": torch.__version__, "optimizer_initialized": optimizer_initialized,
                     "engine": engine_state, "files": files}
@@ -432,13 +439,16 @@ def load(directory: str | os.PathLike[str], tag: str | None, *, model: nn.Module
     try:
         dcp.load(state, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner())
     except CheckpointException as error:
+        failures = _dcp_failures(error)
         raise CheckpointError(f"{path}: DCP failed to load it into this model and optimizer (a "
-                              f"different model or optimizer type, or a forged entry): {_dcp_failures(error)}") from error
+                              f"different model or optimizer type, or a forged entry): {failures}") from error
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     if not manifest.optimizer_initialized:
         optimizer.state.clear()  # see [Note: optimizer state before the first step]
     rank_file = path / f"rank{rank}.json"
-    rank_state = json.loads(rank_file.read_text(encoding="utf-8")) if rank_file.name in manifest.files else None
+    rank_state = None
+    if rank_file.name in manifest.files:
+        rank_state = json.loads(rank_file.read_text(encoding="utf-8"))
     return Loaded(path, manifest.engine, rank_state, manifest.world_size)
 
 
@@ -463,7 +473,8 @@ def inspect(directory: str | os.PathLike[str], tag: str | None = None) -> dict[s
     entries = {}
     for key, item in sorted(metadata.state_dict_metadata.items()):
         if isinstance(item, TensorStorageMetadata):
-            entries[key] = {"shape": list(item.size), "dtype": str(item.properties.dtype).removeprefix("torch.")}
+            dtype = str(item.properties.dtype).removeprefix("torch.")
+            entries[key] = {"shape": list(item.size), "dtype": dtype}
         else:
             entries[key] = "bytes"
     return {"path": str(path), "saved_world_size": manifest.world_size, "engine": manifest.engine,

@@ -9,8 +9,8 @@ A DeepSpeed user keeps their config file and their loop::
 ``engine.step()`` is called after every micro-batch and steps the optimizer only at the
 gradient-accumulation boundary, as DeepSpeed's does. Between boundaries FSDP2 keeps the
 unsharded gradients locally (``set_requires_gradient_sync(False)``) and the boundary's
-backward reduce-scatters their sum once, so accumulation costs no extra communication (and one
-unsharded gradient per unit of memory). At a boundary: one all-reduce gives the global gradient
+backward reduce-scatters their sum once, so accumulation costs no extra communication (the price:
+each unit keeps its unsharded gradient in memory between micro-steps). At a boundary: one all-reduce gives the global gradient
 norm and whether any rank saw a non-finite element; fp16 skips the step on overflow (and resets
 qgZ's error feedback), otherwise gradients are unscaled and clipped, the optimizer and the
 schedule step.
@@ -42,7 +42,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from zeropp import checkpoint
-from zeropp.comms import HierarchicalQuantizedReduceScatter, global_grad_norm_and_overflow, set_collective_timeout
+from zeropp.comms import (
+    HierarchicalQuantizedReduceScatter,
+    global_grad_norm_and_overflow,
+    set_collective_timeout,
+)
 from zeropp.config import DeepSpeedConfig, TrainingConfig, parse_deepspeed
 from zeropp.ledger import comm_ledger
 from zeropp.lr_schedules import build_scheduler
@@ -477,7 +481,8 @@ def _build_optimizer(parsed: DeepSpeedConfig, optimizer: OptimizerArg, groups: l
             if any(id(p) not in name_of and not isinstance(p, DTensor) for p in group["params"]):
                 raise ValueError("the optimizer passed to initialize holds a tensor that is not a "
                                  "parameter of the model")
-            group["params"] = [p if isinstance(p, DTensor) else sharded[name_of[id(p)]] for p in group["params"]]
+            group["params"] = [p if isinstance(p, DTensor) else sharded[name_of[id(p)]]
+                               for p in group["params"]]
         return optimizer
     if optimizer is not None:
         return optimizer(groups)
