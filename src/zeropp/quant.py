@@ -30,9 +30,13 @@ two chunks.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from zeropp import quant_triton
 
 __all__ = [
     "dequantize",
@@ -47,6 +51,7 @@ __all__ = [
     "quantize_packed",
     "quantize_rows",
     "dequantize_rows",
+    "set_kernel",
 ]
 
 ALLOWED_BITS = (4, 8)
@@ -55,6 +60,35 @@ MAX_BLOCK_SIZE = 65536
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OUTPUT_DTYPES = (*INPUT_DTYPES, torch.float64)
 _SCALE_BYTES = 4  # fp32
+KERNELS = ("torch", "auto", "triton")
+"""``torch`` (the default): always the torch path; ``auto``: the Triton kernels
+(``zeropp.quant_triton``) for CUDA tensors when Triton imports, the torch path otherwise;
+``triton``: the kernels, and an error for tensors they cannot take. Both paths give the same
+bytes. The kernels have been checked bit-for-bit against the torch path in Triton's CPU
+interpreter but not yet on a GPU, so they are opt-in until they are."""
+_kernel = "torch"
+
+
+def set_kernel(name: str) -> str:
+    """Choose the (de)quantization path (see ``KERNELS``; the environment variable
+    ``ZEROPP_QUANT_KERNEL`` sets it at import) and return the previous choice."""
+    global _kernel
+    if name not in KERNELS:
+        raise ValueError(f"quantization kernel {name!r} is not known; allowed: {KERNELS}")
+    previous, _kernel = _kernel, name
+    return previous
+
+
+def _use_triton(device: torch.device) -> bool:
+    """Whether this call takes the Triton kernels, per ``set_kernel``."""
+    if _kernel == "torch":
+        return False
+    usable = quant_triton.available(device)
+    if _kernel == "triton" and not usable:
+        reason = "Triton is not installed" if quant_triton.triton is None else f"the tensor is on {device}"
+        raise RuntimeError(f"the quantization kernel is set to 'triton', but {reason}; the Triton "
+                           "kernels need a CUDA tensor and Triton (set ZEROPP_QUANT_KERNEL=auto or torch)")
+    return usable
 
 
 def _check_config(bits: int, block_size: int) -> None:
@@ -217,6 +251,9 @@ def _encode_into(
 ) -> None:
     """Quantize ``chunks`` (num_chunks, chunk_numel) into the views ``data_out``
     (num_chunks, data_bytes) and ``scales_out`` (num_chunks, num_blocks), in one pass."""
+    if _use_triton(chunks.device):
+        quant_triton.encode_rows(chunks, bits, block_size, data_out, scales_out)
+        return
     blocks, is_copy = _to_blocks(chunks, block_size)  # (num_chunks * num_blocks, block_size)
     scales = _block_scales(blocks, bits)
     codes = _block_codes(blocks, scales, overwrite=is_copy)
@@ -227,6 +264,9 @@ def _encode_into(
 def _decode_into(data: Tensor, scales: Tensor, bits: int, block_size: int, out: Tensor) -> None:
     """Dequantize codes (num_chunks, data_bytes) and scales (num_chunks, num_blocks) into
     ``out`` (num_chunks, chunk_numel): ``code * scale`` in fp32, then cast to out's dtype."""
+    if _use_triton(out.device):
+        quant_triton.decode_rows(data, scales, bits, block_size, out)
+        return
     codes = _load_codes(data, bits, scales.shape[1] * block_size)
     values = codes.view(-1, block_size).mul_(scales.reshape(-1, 1)).view(codes.shape)
     out.copy_(values[:, : out.shape[1]])
@@ -365,3 +405,6 @@ def error_bound(scales: Tensor, block_size: int, numel: int) -> Tensor:
     _check_count("numel", numel, 0)
     _check_tensor("scales", scales, _num_blocks(numel, block_size), torch.float32)
     return (scales.reshape(-1, 1) / 2).expand(-1, block_size).reshape(-1)[:numel]
+
+
+set_kernel(os.environ.get("ZEROPP_QUANT_KERNEL", "torch"))

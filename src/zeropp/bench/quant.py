@@ -23,12 +23,14 @@ from typing import Any
 
 import torch
 
+from zeropp import quant_triton
 from zeropp.quant import (
     dequantize_from,
     dequantize_packed,
     packed_numel,
     quantize_into,
     quantize_packed,
+    set_kernel,
 )
 
 BLOCK_SIZE = 256
@@ -36,6 +38,7 @@ BITS = (8, 4)
 INPUT_DTYPES = (torch.float32, torch.bfloat16)
 ERROR_NUMEL = 2**20
 STUDENT_T_DF = 3.0
+CUDA_INNER = 20
 
 
 def _device() -> torch.device:
@@ -64,27 +67,39 @@ def _machine(device: torch.device) -> dict[str, Any]:
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
-    """Median wall time of ``fn`` over ``repeats`` runs, after one warm-up run."""
+    """Median wall time of ``fn`` over ``repeats`` runs, after one warm-up run. On CUDA each
+    run is ``CUDA_INNER`` back-to-back calls between two synchronizations (a single kernel on a
+    small tensor takes microseconds, under the timer's resolution), divided by their number."""
     fn()
+    inner = CUDA_INNER if device.type == "cuda" else 1
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        fn()
+        for _ in range(inner):
+            fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start) / inner)
     return statistics.median(times)
+
+
+def _kernels(device: torch.device) -> tuple[str, ...]:
+    """The (de)quantization paths to time: the torch path, and on CUDA the Triton kernels."""
+    return ("torch", "triton") if quant_triton.available(device) else ("torch",)
 
 
 def _throughput_rows(
     numel: int, dtype: torch.dtype, repeats: int, device: torch.device
 ) -> list[dict[str, Any]]:
-    """Quantize and dequantize speed for one tensor, at every bit width, against its clone.
+    """Quantize and dequantize speed for one tensor, at every bit width and kernel, against
+    its clone.
 
-    ``copy_`` into a preallocated buffer is reported too: unlike ``clone`` it pays no
-    allocation, so the two bracket the cost of touching the tensor's memory once.
+    ``copy_`` into a preallocated buffer (on CUDA the device-to-device copy) is reported too:
+    unlike ``clone`` it pays no allocation, so the two bracket the cost of touching the
+    tensor's memory once. ``*_traffic_gbps`` count bytes read plus bytes written, the figure
+    to hold against the memory's bandwidth.
     """
     x = torch.randn(numel, device=device).to(dtype)
     nbytes = numel * x.element_size()
@@ -92,26 +107,37 @@ def _throughput_rows(
     clone_s = _median_seconds(lambda: torch.clone(x), repeats, device)
     copy_s = _median_seconds(lambda: decoded.copy_(x), repeats, device)
     rows = []
-    for bits in BITS:
-        num_bytes = packed_numel(numel, bits, BLOCK_SIZE)
-        packed = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-        encode = lambda: quantize_into(x, bits, BLOCK_SIZE, packed)  # noqa: E731
-        decode = lambda: dequantize_from(packed, bits, BLOCK_SIZE, numel, decoded)  # noqa: E731
-        quantize_s = _median_seconds(encode, repeats, device)
-        dequantize_s = _median_seconds(decode, repeats, device)
-        rows.append({
-            "numel": numel,
-            "dtype": str(dtype).removeprefix("torch."),
-            "bits": bits,
-            "block_size": BLOCK_SIZE,
-            "compression": nbytes / packed.numel(),
-            "clone_gbps": nbytes / clone_s / 1e9,
-            "copy_gbps": nbytes / copy_s / 1e9,
-            "quantize_gbps": nbytes / quantize_s / 1e9,
-            "dequantize_gbps": nbytes / dequantize_s / 1e9,
-            "quantize_vs_clone": clone_s / quantize_s,
-            "dequantize_vs_clone": clone_s / dequantize_s,
-        })
+    for kernel in _kernels(device):
+        previous = set_kernel(kernel)
+        try:
+            for bits in BITS:
+                num_bytes = packed_numel(numel, bits, BLOCK_SIZE)
+                packed = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+                encode = lambda: quantize_into(x, bits, BLOCK_SIZE, packed)  # noqa: E731
+                decode = lambda: dequantize_from(packed, bits, BLOCK_SIZE, numel, decoded)  # noqa: E731
+                quantize_s = _median_seconds(encode, repeats, device)
+                dequantize_s = _median_seconds(decode, repeats, device)
+                rows.append({
+                    "numel": numel,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "kernel": kernel,
+                    "bits": bits,
+                    "block_size": BLOCK_SIZE,
+                    "compression": nbytes / packed.numel(),
+                    "clone_gbps": nbytes / clone_s / 1e9,
+                    "copy_gbps": nbytes / copy_s / 1e9,
+                    "quantize_gbps": nbytes / quantize_s / 1e9,
+                    "dequantize_gbps": nbytes / dequantize_s / 1e9,
+                    "quantize_vs_clone": clone_s / quantize_s,
+                    "dequantize_vs_clone": clone_s / dequantize_s,
+                    "quantize_vs_copy": copy_s / quantize_s,
+                    "dequantize_vs_copy": copy_s / dequantize_s,
+                    "copy_traffic_gbps": 2 * nbytes / copy_s / 1e9,
+                    "quantize_traffic_gbps": (nbytes + num_bytes) / quantize_s / 1e9,
+                    "dequantize_traffic_gbps": (nbytes + num_bytes) / dequantize_s / 1e9,
+                })
+        finally:
+            set_kernel(previous)
     return rows
 
 
@@ -158,12 +184,12 @@ def _error_rows() -> list[dict[str, Any]]:
 
 def _print_tables(throughput: list[dict[str, Any]], errors: list[dict[str, Any]]) -> None:
     """Human-readable summary of both tables (GB/s of the unquantized tensor)."""
-    print(f"{'numel':>10} {'dtype':>9} {'bits':>4} {'clone':>7} {'copy_':>7} {'quant':>7} "
-          f"{'/clone':>6} {'dequant':>7} {'/clone':>6}")
+    print(f"{'numel':>10} {'dtype':>9} {'kernel':>6} {'bits':>4} {'clone':>7} {'copy_':>7} "
+          f"{'quant':>7} {'/copy_':>6} {'dequant':>7} {'/copy_':>6}")
     for r in throughput:
-        print(f"{r['numel']:>10} {r['dtype']:>9} {r['bits']:>4} {r['clone_gbps']:>7.2f} "
-              f"{r['copy_gbps']:>7.2f} {r['quantize_gbps']:>7.2f} {r['quantize_vs_clone']:>6.2f} "
-              f"{r['dequantize_gbps']:>7.2f} {r['dequantize_vs_clone']:>6.2f}")
+        print(f"{r['numel']:>10} {r['dtype']:>9} {r['kernel']:>6} {r['bits']:>4} "
+              f"{r['clone_gbps']:>7.2f} {r['copy_gbps']:>7.2f} {r['quantize_gbps']:>7.2f} "
+              f"{r['quantize_vs_copy']:>6.2f} {r['dequantize_gbps']:>7.2f} {r['dequantize_vs_copy']:>6.2f}")
     print(f"\n{'distribution':>16} {'bits':>4} {'scheme':>10} {'rms':>10} {'rel rms':>10} "
           f"{'max abs':>10}")
     for r in errors:
@@ -176,7 +202,8 @@ def run(
     sizes: Sequence[int] = (2**20, 2**22, 2**24, 2**26),
     repeats: int = 5,
 ) -> dict:
-    """Measure quantization throughput and error, print them, and write bench_quant.json.
+    """Measure quantization throughput and error, print them, and write bench_quant.json
+    (bench_quant_cuda.json on a CUDA machine, where the Triton kernels are timed too).
 
     Throughput (median of ``repeats`` after a warm-up) is in GB/s of the unquantized tensor
     for fp32 and bf16 input at 8 and 4 bits with block size 256; error is measured on
@@ -199,7 +226,8 @@ def run(
     }
     _print_tables(throughput, errors)
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "bench_quant.json")
+    name = "bench_quant_cuda.json" if device.type == "cuda" else "bench_quant.json"
+    path = os.path.join(out_dir, name)
     with open(path, "w") as file:
         json.dump(result, file, indent=2)
     print(f"\nwrote {path}")
