@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +32,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+import zeropp
+from zeropp import demo
 from zeropp.cli import launch_local
 from zeropp.data import CharCorpus
 from zeropp.demo import MODES, DemoConfig
@@ -38,6 +41,14 @@ from zeropp.models import GPT, GPTConfig
 
 DEFAULT_MODES = ("zero3", "qwz", "hpz", "qgz", "qgz_ef", "all", "all_ef")
 """ZeRO-3 first: the others are compared with it."""
+DIAGNOSIS_MODES: dict[str, zeropp.ZeroPPConfig] = {
+    "qgz_int8": zeropp.ZeroPPConfig(quantized_gradients=True, grad_bits_intra=8, grad_bits_inter=8),
+    "qgz_int8_intra": zeropp.ZeroPPConfig(quantized_gradients=True, grad_bits_intra=8, grad_bits_inter=4),
+    "qgz_block32": zeropp.ZeroPPConfig(quantized_gradients=True, block_size=32),
+}
+"""qgZ variants beyond the demo's modes, to find what a gap to ZeRO-3 comes from: bits on both
+hops, on the intra-node hop only, a smaller block."""
+ALL_MODES = {**MODES, **DIAGNOSIS_MODES}
 REFERENCE = "reference"
 """Name of the single-process run (no zeropp, no torch.distributed) in the results."""
 BASELINE = "zero3"
@@ -58,9 +69,9 @@ def run(out_dir: str | Path = "benchmarks/results", *, steps: int = 300,
     ``training`` overrides other ``DemoConfig`` fields (batch_size, num_layers, lr, seed, ...;
     ``TRAINING`` by default). Returns the results dict that was written.
     """
-    unknown = [m for m in modes if m not in MODES]
+    unknown = [m for m in modes if m not in ALL_MODES]
     if unknown:
-        raise ValueError(f"modes={list(modes)} holds {unknown}, not among {sorted(MODES)}")
+        raise ValueError(f"modes={list(modes)} holds {unknown}, not among {sorted(ALL_MODES)}")
     settings = DemoConfig(steps=steps, eval_every=eval_every, eval_batches=eval_batches,
                           **{**TRAINING, **training})
     out_path = Path(out_dir) / "converge.json"
@@ -97,11 +108,12 @@ def _resumable_results(path: Path, settings: DemoConfig, num_nodes: int, ranks_p
 
 
 def _train_mode(config: DemoConfig, run_dir: Path, num_nodes: int, ranks_per_node: int) -> list[dict]:
-    """One ``zeropp.demo`` job under torchrun; its per-step records."""
-    args = ["--run-dir", str(run_dir)]
+    """One ``zeropp.demo`` job under torchrun (through ``main --worker``, which knows the
+    diagnosis modes too); its per-step records."""
+    args = ["--worker", "--run-dir", str(run_dir)]
     for name, value in dataclasses.asdict(config).items():
         args += [f"--{name.replace('_', '-')}", str(value)]
-    code = launch_local("zeropp.demo", args, num_nodes, ranks_per_node)
+    code = launch_local("zeropp.bench.converge", args, num_nodes, ranks_per_node)
     if code != 0:
         raise RuntimeError(f"mode {config.mode!r} failed (torchrun exit code {code}); "
                            f"its output is above, its run directory {run_dir}")
@@ -149,7 +161,7 @@ def summarize(name: str, records: list[dict]) -> dict[str, Any]:
     train = [r["loss"] for r in records]
     window = train[-TRAIN_LOSS_WINDOW:]
     return {
-        "zeropp_config": _config_dict(MODES[name]) if name in MODES else None,
+        "zeropp_config": _config_dict(ALL_MODES[name]) if name in ALL_MODES else None,
         "train_loss": train,
         "val_loss": val,
         "final_val_loss": val[-1][1],
@@ -229,7 +241,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``zeropp converge`` options."""
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
-                        help=f"comma-separated, among {', '.join(MODES)}")
+                        help=f"comma-separated, among {', '.join(ALL_MODES)}")
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--nodes", type=int, default=2, help="emulated nodes (default 2)")
@@ -247,7 +259,18 @@ def run_from_args(args: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
+    """``python -m zeropp.bench.converge``: the command, or with ``--worker`` one rank of a
+    mode's training (the demo job, with the diagnosis modes added to its modes)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        MODES.update(DIAGNOSIS_MODES)
+        demo.main(argv[1:])
+        return
     parser = argparse.ArgumentParser(prog="zeropp converge", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    raise SystemExit(run_from_args(parser.parse_args()))
+    raise SystemExit(run_from_args(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()
