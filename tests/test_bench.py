@@ -8,12 +8,14 @@ import math
 from dataclasses import replace
 
 import pytest
+import torch
 
 from distributed import run_distributed
 from zeropp.bench import comm
 from zeropp.bench.worker import WorkerConfig, build_parser, run
 from zeropp.cluster import check_support
 from zeropp.cluster.netns import list_namespaces
+from zeropp.ledger import CommLedger, GroupInfo, Op
 from zeropp.topology import Topology
 
 TINY = WorkerConfig(modes=("fsdp", "all"), warmup_steps=0, steps=1, batch_size=8, context_length=16,
@@ -72,33 +74,35 @@ def test_worker_record_on_local_ranks() -> None:
     assert total < 0.25 * sum(r["total"]["cross_node_bytes"] for r in fsdp["ledger_per_step"])
 
 
-def _row(op: str, kind: str, group_size: int, bytes_sent: float, cross: float) -> dict:
-    return {"op": op, "kind": kind, "group_size": group_size, "bytes": bytes_sent,
-            "cross_node_bytes": cross, "phase": "forward", "dtype": "float32", "calls": 1}
-
-
-@pytest.mark.parametrize("op,kind,size,per_peer,ledger_cross,wire_cross", [
+@pytest.mark.parametrize("op,kind,per_peer,direct_cross,backend_cross", [
     # Measured on the 2 x 2 cluster with a chunk of c bytes per rank (frames / 1.046):
-    ("all_gather", "world", 4, 1, 8, 6),        # ring: 2 of the 4 ring edges cross, 3c each
-    ("reduce_scatter", "world", 4, 1, 8, 12),   # all-reduce of 4c underneath, ring: 6c per edge
-    ("all_to_all", "world", 4, 1, 8, 8),        # direct sends
-    ("all_to_all", "inter", 2, 1, 4, 4),
-    ("all_gather", "intra", 2, 1, 0, 0),
+    (Op.ALL_GATHER, "world", 1, 8, 6),        # ring: 2 of the 4 ring edges cross, 3c each
+    (Op.REDUCE_SCATTER, "world", 1, 8, 12),   # all-reduce of 4c underneath, ring: 6c per edge
+    (Op.ALL_TO_ALL, "world", 1, 8, 8),        # direct sends
+    (Op.ALL_TO_ALL, "inter", 1, 4, 4),
+    (Op.ALL_GATHER, "intra", 1, 0, 0),
+    # HSDP: an all-reduce of a 2c buffer over 2 ranks is counted as c owed to the peer twice; a
+    # ring all-reduce of 2 ranks sends 2c per rank, the same: 8c in all.
+    (Op.ALL_REDUCE, "inter", 1, 8, 8),
 ])
-def test_gloo_model_matches_the_measured_ops(op: str, kind: str, size: int, per_peer: int,
-                                            ledger_cross: int, wire_cross: int) -> None:
-    remote = {"world": 2, "inter": 1, "intra": 0}[kind]
-    row = _row(op, kind, size, per_peer * (size - 1), per_peer * remote)
-    crosses = [comm.gloo_bytes(row, rank, TOPOLOGY)[0] for rank in range(4)]
-    assert sum(row["cross_node_bytes"] for _ in range(4)) == ledger_cross
-    assert sum(crosses) == wire_cross
+def test_ledger_backend_figure_matches_the_measured_gloo_ops(op, kind, per_peer, direct_cross,
+                                                              backend_cross) -> None:
+    ledgers = []
+    for rank in range(4):
+        ranks = {"world": [0, 1, 2, 3], "inter": [rank % 2, rank % 2 + 2],
+                 "intra": [rank // 2 * 2, rank // 2 * 2 + 1]}[kind]
+        ledger = CommLedger()
+        ledger.record(op, GroupInfo.of(TOPOLOGY, ranks, rank, "gloo"), per_peer, torch.float32, "fsdp")
+        ledgers.append(ledger.summary()["total"])
+    assert sum(t["cross_node_bytes"] for t in ledgers) == direct_cross
+    assert sum(t["backend_cross_node_bytes"] for t in ledgers) == backend_cross
 
 
-def test_gloo_model_of_an_inter_node_all_reduce() -> None:
-    # HSDP: an all-reduce of 2c over 2 ranks is counted as c owed to the peer twice; a ring
-    # all-reduce of 2 ranks sends 2c per rank, the same: 8c in all (measured).
-    row = _row("all_reduce", "inter", 2, 2, 2)
-    assert sum(comm.gloo_bytes(row, rank, TOPOLOGY)[0] for rank in range(4)) == 8
+def test_ledger_backend_figure_is_the_direct_sends_for_other_backends() -> None:
+    ledger = CommLedger()
+    ledger.record(Op.REDUCE_SCATTER, GroupInfo.of(TOPOLOGY, [0, 1, 2, 3], 1, "nccl"), 5, torch.float32, "fsdp")
+    total = ledger.summary()["total"]
+    assert (total["backend_bytes"], total["backend_cross_node_bytes"]) == (total["bytes"], total["cross_node_bytes"])
 
 
 @pytest.fixture
@@ -110,13 +114,13 @@ def namespaces() -> None:
         pytest.skip(f"namespaces {list_namespaces()} exist: another cluster is up")
 
 
-def test_wire_matches_gloo_model_on_the_cluster(namespaces: None) -> None:
+def test_wire_matches_the_ledger_on_the_cluster(namespaces: None) -> None:
     config = replace(TINY, wire=True, embed_dim=256, num_heads=4)
     with comm.cluster_session(2, None, wait_s=60):
         record, result = comm.launch_worker(config, 2, 2)
     assert result.exit_code == 0
     for mode, mode_record in record["modes"].items():
-        classes = comm.link_classes(mode_record, TOPOLOGY)
+        classes = comm.link_classes(mode_record)
         # Frames carry 4.6% more than the payload; the two meetings around the step add a little.
-        assert 1.0 <= classes["wire_vs_gloo_model"]["cross_node"] <= 1.10, (mode, classes)
-        assert 1.0 <= classes["wire_vs_gloo_model"]["intra_node"] <= 1.10, (mode, classes)
+        assert 1.0 <= classes["wire_vs_ledger"]["cross_node"] <= 1.10, (mode, classes)
+        assert 1.0 <= classes["wire_vs_ledger"]["intra_node"] <= 1.10, (mode, classes)

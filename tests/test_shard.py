@@ -148,13 +148,19 @@ def test_ledger_matches_closed_form_2x2() -> None:
     world_size = 4
     shard_bytes = sum(4 * _padded_shard_numel(s, world_size) for unit in results[0]["shapes"] for s in unit)
     num_units = len(results[0]["shapes"])
-    for r in results:
+    for rank, r in enumerate(results):
+        # gloo's rings (see zeropp.ledger): ranks 1 and 3 send to the other node, 0 and 2 do not;
+        # its reduce-scatter is a ring all-reduce, twice an all-gather's bytes.
+        crosses = rank in (1, 3)
         for phase in ("forward", "backward"):
             gathers = r[phase]["by_op"]["all_gather"]
-            assert gathers == {"calls": num_units, "bytes": 3 * shard_bytes, "cross_node_bytes": 2 * shard_bytes}
+            assert gathers == {"calls": num_units, "bytes": 3 * shard_bytes, "cross_node_bytes": 2 * shard_bytes,
+                               "backend_bytes": 3 * shard_bytes,
+                               "backend_cross_node_bytes": 3 * shard_bytes * crosses}
         assert "reduce_scatter" not in r["forward"]["by_op"]
         rs = r["backward"]["by_op"]["reduce_scatter"]
-        assert rs == {"calls": num_units, "bytes": 3 * shard_bytes, "cross_node_bytes": 2 * shard_bytes}
+        assert rs == {"calls": num_units, "bytes": 3 * shard_bytes, "cross_node_bytes": 2 * shard_bytes,
+                      "backend_bytes": 6 * shard_bytes, "backend_cross_node_bytes": 6 * shard_bytes * crosses}
         assert r["all"]["total"]["bytes"] == 9 * shard_bytes
         assert r["all"]["by_group"] == {"world": r["all"]["total"]}
 

@@ -83,8 +83,14 @@ def test_ledger_direct_send_model() -> None:
     ledger.record(Op.ALL_GATHER, intra, 10, torch.bfloat16, "fsdp")
     ledger.record(Op.ALL_REDUCE, world, 3, torch.float32, "metrics")
     s = ledger.summary()
-    assert s["by_group"]["world"] == {"calls": 2, "bytes": 70 + 42, "cross_node_bytes": 40 + 24}
-    assert s["by_group"]["intra"] == {"calls": 1, "bytes": 30, "cross_node_bytes": 0}
+    # gloo rings: rank 1's successor (2) is on its node, so its ring sends stay there.
+    assert s["by_group"]["world"] == {"calls": 2, "bytes": 70 + 42, "cross_node_bytes": 40 + 24,
+                                      "backend_bytes": 70 + 42, "backend_cross_node_bytes": 0}
+    assert s["by_group"]["intra"] == {"calls": 1, "bytes": 30, "cross_node_bytes": 0,
+                                      "backend_bytes": 30, "backend_cross_node_bytes": 0}
+    last = GroupInfo.of(t, list(range(8)), rank=3)  # its successor, 4, is on the other node
+    assert last.backend_sends(Op.REDUCE_SCATTER, 10, 70, 40) == (140, 140)
+    assert last.backend_sends(Op.ALL_TO_ALL, 10, 70, 40) == (70, 40)
     assert s["by_op"]["all_gather"]["bytes"] == 100
     assert ledger.summary(technique="metrics")["total"]["calls"] == 1
     with ledger.suspended():
@@ -93,6 +99,7 @@ def test_ledger_direct_send_model() -> None:
     ledger.step()
     ledger.step()
     assert "all_gather" in ledger.table()
-    assert ledger.report()["fsdp"] == {"calls": 1.0, "bytes": 50.0, "cross_node_bytes": 20.0}
+    assert ledger.report()["fsdp"] == {"calls": 1.0, "bytes": 50.0, "cross_node_bytes": 20.0,
+                                       "backend_bytes": 50.0, "backend_cross_node_bytes": 0.0}
     ledger.reset()
-    assert ledger.summary()["total"] == {"calls": 0, "bytes": 0, "cross_node_bytes": 0}
+    assert set(ledger.summary()["total"].values()) == {0}

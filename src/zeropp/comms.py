@@ -42,7 +42,8 @@ class _Counted:
         info = self._groups.get(group)
         if info is None:
             ranks = dist.get_process_group_ranks(group)
-            info = self._groups[group] = GroupInfo.of(self.topology, ranks, dist.get_rank())
+            info = self._groups[group] = GroupInfo.of(self.topology, ranks, dist.get_rank(),
+                                                      str(dist.get_backend(group)))
         return info
 
     def record(self, op: Op, group: dist.ProcessGroup, bytes_per_peer: int, dtype: torch.dtype | str,

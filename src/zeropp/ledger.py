@@ -1,13 +1,21 @@
-"""Per-collective byte accounting: what every collective zeropp issues must move, by link class.
+"""Per-collective byte accounting: what every collective zeropp issues moves, by link class.
 
 [Note: what a byte count means]
-Bytes are counted as direct sends: a collective on a group of ``g`` ranks in which this rank
-owes ``c`` bytes to each peer (all-gather: its chunk; reduce-scatter / all-to-all: the chunk
-owed to that peer) "sends" ``c * (g - 1)`` bytes, and the part addressed to peers on other
-nodes crosses a node boundary. An all-reduce counts as a reduce-scatter plus an all-gather.
-This is what the algorithm must move, independent of the backend's own algorithm (ring, tree,
-gloo's all-reduce-based reduce-scatter); the wire counters of the emulated cluster show what a
-backend really moves, and benchmarks report both.
+Every collective is counted twice:
+
+- ``bytes`` / ``cross_node_bytes``, direct sends: a collective on a group of ``g`` ranks in
+  which this rank owes ``c`` bytes to each peer (all-gather: its chunk; reduce-scatter /
+  all-to-all: the chunk owed to that peer) "sends" ``c * (g - 1)`` bytes, and the part
+  addressed to peers on other nodes crosses a node boundary. An all-reduce counts as a
+  reduce-scatter plus an all-gather. This is what the collective must move, whatever the
+  backend's algorithm: the figure to compare designs with.
+- ``backend_bytes`` / ``backend_cross_node_bytes``: what the backend's own algorithm sends
+  from this rank, the figure the links carry. For gloo (measured on the emulated cluster, see
+  ``zeropp.bench.comm``): all-gather and all-reduce are rings over the group's ranks in order,
+  each rank sending ``(g - 1) c`` (all-reduce: twice that) to its successor; reduce-scatter is a
+  ring all-reduce of the whole ``g c`` input, ``2 (g - 1) c``; all-to-all sends directly. A
+  ring's bytes cross nodes exactly when this rank's successor is on another node. For other
+  backends (NCCL picks rings and trees per topology) this equals the direct sends.
 
 The ledger only aggregates (bounded memory however long training runs) and never synchronises
 a device, so counting does not destroy overlap.
@@ -63,12 +71,26 @@ class GroupInfo:
     size: int
     num_remote_peers: int
     """Members of the group on a node other than this rank's."""
+    successor_is_remote: bool = False
+    """Whether the next rank of the group (in group order, wrapping) is on another node."""
+    backend: str = "gloo"
 
     @classmethod
-    def of(cls, topology: Topology, group_ranks: list[int], rank: int) -> GroupInfo:
+    def of(cls, topology: Topology, group_ranks: list[int], rank: int, backend: str = "gloo") -> GroupInfo:
         my_node = topology.node_of(rank)
         remote = sum(topology.node_of(r) != my_node for r in group_ranks)
-        return cls(group_kind(topology, group_ranks), len(group_ranks), remote)
+        successor = group_ranks[(group_ranks.index(rank) + 1) % len(group_ranks)]
+        return cls(group_kind(topology, group_ranks), len(group_ranks), remote,
+                   topology.node_of(successor) != my_node, backend)
+
+    def backend_sends(self, op: Op, bytes_per_peer: int, direct: int, direct_cross: int) -> tuple[int, int]:
+        """(bytes, cross-node bytes) the backend's algorithm sends from this rank, given the
+        direct-send counts; see [Note: what a byte count means]."""
+        if self.backend != "gloo" or op is Op.ALL_TO_ALL:
+            return direct, direct_cross
+        rounds = 1 if op is Op.ALL_GATHER else 2  # reduce-scatter and all-reduce: a ring all-reduce
+        sent = rounds * bytes_per_peer * (self.size - 1)
+        return sent, sent if self.successor_is_remote else 0
 
 
 @dataclass(frozen=True)
@@ -81,19 +103,24 @@ class _Key:
     technique: str
 
 
+COUNTS = ("calls", "bytes", "cross_node_bytes", "backend_bytes", "backend_cross_node_bytes")
+"""What the ledger counts per row; see [Note: what a byte count means]."""
+
+
 @dataclass
 class _Totals:
     calls: int = 0
     bytes: int = 0
     cross_node_bytes: int = 0
+    backend_bytes: int = 0
+    backend_cross_node_bytes: int = 0
 
-    def add(self, calls: int, nbytes: int, cross: int) -> None:
-        self.calls += calls
-        self.bytes += nbytes
-        self.cross_node_bytes += cross
+    def add(self, other: _Totals) -> None:
+        for name in COUNTS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def as_dict(self) -> dict[str, int]:
-        return {"calls": self.calls, "bytes": self.bytes, "cross_node_bytes": self.cross_node_bytes}
+        return {name: getattr(self, name) for name in COUNTS}
 
 
 def current_phase() -> str:
@@ -132,8 +159,9 @@ class CommLedger:
         factor = 2 if op is Op.ALL_REDUCE else 1
         sent = factor * bytes_per_peer * (group.size - 1)
         cross = factor * bytes_per_peer * group.num_remote_peers
+        backend_sent, backend_cross = group.backend_sends(op, bytes_per_peer, sent, cross)
         key = _Key(op, group.kind, group.size, str(dtype).removeprefix("torch."), current_phase(), technique)
-        self._totals[key].add(1, sent, cross)
+        self._totals[key].add(_Totals(1, sent, cross, backend_sent, backend_cross))
 
     def step(self) -> None:
         """Mark the end of a training step (for per-step averages in ``table``)."""
@@ -147,8 +175,9 @@ class CommLedger:
         """Totals, by op and by group kind; ``match`` filters records (e.g. ``phase="backward"``).
 
         Returns ``{"total": {...}, "by_op": {op: {...}}, "by_group": {kind: {...}},
-        "by_phase": {...}, "by_technique": {...}}``, each inner dict holding ``calls``, ``bytes``
-        (sent by this rank) and ``cross_node_bytes``.
+        "by_phase": {...}, "by_technique": {...}}``, each inner dict holding the ``COUNTS`` of
+        this rank: ``calls``, direct-send ``bytes`` and ``cross_node_bytes``, and the backend's
+        ``backend_bytes`` and ``backend_cross_node_bytes``.
         """
         total = _Totals()
         groups: dict[str, dict[str, _Totals]] = {
@@ -158,10 +187,10 @@ class CommLedger:
             fields = _key_fields(key)
             if any(fields[name] != value for name, value in match.items()):
                 continue
-            total.add(t.calls, t.bytes, t.cross_node_bytes)
+            total.add(t)
             for name, field in (("by_op", "op"), ("by_group", "kind"), ("by_phase", "phase"),
                                 ("by_technique", "technique")):
-                groups[name][fields[field]].add(t.calls, t.bytes, t.cross_node_bytes)
+                groups[name][fields[field]].add(t)
         out: dict[str, Any] = {"total": total.as_dict()}
         out.update({name: {k: v.as_dict() for k, v in sorted(g.items())} for name, g in groups.items()})
         return out
@@ -182,17 +211,17 @@ class CommLedger:
         """A printable per-step table (totals divided by the steps marked with ``step``)."""
         steps = max(self.num_steps, 1)
         header = f"{'phase':<9}{'op':<15}{'group':<7}{'size':>5} {'dtype':<9}{'technique':<11}" \
-                 f"{'calls':>7}{'MB sent':>10}{'MB x-node':>11}"
-        lines = [f"communication per step (this rank, {steps} step(s) averaged)", header]
-        for r in self.rows():
+                 f"{'calls':>7}{'MB sent':>10}{'MB x-node':>11}{'backend x-node':>15}"
+        lines = [f"communication per step (this rank, {steps} step(s) averaged; MB sent and x-node: "
+                 "direct sends; backend x-node: what the backend's algorithm sends across nodes)", header]
+        t = self.summary()["total"]
+        for r in [*self.rows(), {**t, "phase": "total", "op": "", "kind": "", "group_size": "",
+                                 "dtype": "", "technique": ""}]:
             lines.append(
                 f"{r['phase']:<9}{r['op']:<15}{r['kind']:<7}{r['group_size']:>5} {r['dtype']:<9}"
                 f"{r['technique']:<11}{r['calls'] / steps:>7.1f}{r['bytes'] / steps / 1e6:>10.3f}"
-                f"{r['cross_node_bytes'] / steps / 1e6:>11.3f}"
+                f"{r['cross_node_bytes'] / steps / 1e6:>11.3f}{r['backend_cross_node_bytes'] / steps / 1e6:>15.3f}"
             )
-        t = self.summary()["total"]
-        lines.append(f"{'total':<61}{t['calls'] / steps:>7.1f}{t['bytes'] / steps / 1e6:>10.3f}"
-                     f"{t['cross_node_bytes'] / steps / 1e6:>11.3f}")
         return "\n".join(lines)
 
 

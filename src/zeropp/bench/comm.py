@@ -3,11 +3,11 @@
 Each mode trains the benchmark GPT alone on a 2-node x 2-rank emulated cluster (unlimited links)
 through ``zeropp launch``; the worker counts every timed step's bytes three ways:
 
-- the ledger: what each collective must move, counted as direct sends (DESIGN.md);
+- the ledger's direct sends: what each collective must move (``zeropp.ledger``);
+- the ledger's backend figure: what gloo's algorithms send, which is what the wire should show
+  (see [Note: gloo on the wire]);
 - the wire: what the inter-node links' qdiscs carried (Ethernet frames) and what each node's
-  loopback carried between its own ranks;
-- gloo's model: the ledger's rows replayed through the algorithms gloo really runs, which is what
-  the wire should show. See [Note: gloo on the wire].
+  loopback carried between its own ranks.
 
 [Note: gloo on the wire]
 Measured on this cluster (torch 2.13, gloo, 2 nodes x 2 ranks, a chunk of c bytes per rank;
@@ -43,7 +43,6 @@ from zeropp.bench.quant import _machine as machine_info
 from zeropp.bench.worker import MODES, WorkerConfig
 from zeropp.cluster import Cluster, ClusterError, LaunchResult, launch
 from zeropp.cluster.netns import list_namespaces
-from zeropp.topology import Topology
 
 NUM_NODES, RANKS_PER_NODE = 2, 2
 FRAME_OVERHEAD = 1514 / 1448
@@ -87,41 +86,28 @@ def launch_worker(config: WorkerConfig, num_nodes: int, ranks_per_node: int,
         return json.loads(out.read_text()), result
 
 
-def gloo_bytes(row: dict[str, Any], rank: int, topology: Topology) -> tuple[float, float]:
-    """(cross-node, intra-node) bytes gloo's algorithm sends from ``rank`` for one ledger row
-    (per step), see [Note: gloo on the wire]. Rings run over the group's ranks in order."""
-    size, kind, op = row["group_size"], row["kind"], row["op"]
-    if op == "all_to_all" or kind == "mixed" or size == 1:
-        return row["cross_node_bytes"], row["bytes"] - row["cross_node_bytes"]
-    per_peer = row["bytes"] / (size - 1) / (2 if op == "all_reduce" else 1)
-    sent = (size - 1) * per_peer if op == "all_gather" else 2 * (size - 1) * per_peer
-    last_of_node = topology.local_rank_of(rank) == topology.ranks_per_node - 1
-    next_is_remote = {"world": last_of_node and topology.num_nodes > 1, "inter": True, "intra": False}[kind]
-    return (sent, 0.0) if next_is_remote else (0.0, sent)
-
-
-def link_classes(record: dict[str, Any], topology: Topology) -> dict[str, Any]:
-    """One mode's per-step bytes (all ranks together), cross-node and intra-node, three ways."""
-    ledger = {"cross_node": 0.0, "intra_node": 0.0}
-    model = {"cross_node": 0.0, "intra_node": 0.0}
+def link_classes(record: dict[str, Any]) -> dict[str, Any]:
+    """One mode's per-step bytes (all ranks together), cross-node and intra-node: the ledger's
+    direct sends, the ledger's backend figure, and the wire."""
+    direct = {"cross_node": 0.0, "intra_node": 0.0}
+    backend = {"cross_node": 0.0, "intra_node": 0.0}
     by_op: dict[str, dict[str, float]] = {}
-    for rank, rank_ledger in enumerate(record["ledger_per_step"]):
+    for rank_ledger in record["ledger_per_step"]:
         for row in rank_ledger["rows"]:
-            cross, intra = gloo_bytes(row, rank, topology)
-            ledger["cross_node"] += row["cross_node_bytes"]
-            ledger["intra_node"] += row["bytes"] - row["cross_node_bytes"]
-            model["cross_node"] += cross
-            model["intra_node"] += intra
+            direct["cross_node"] += row["cross_node_bytes"]
+            direct["intra_node"] += row["bytes"] - row["cross_node_bytes"]
+            backend["cross_node"] += row["backend_cross_node_bytes"]
+            backend["intra_node"] += row["backend_bytes"] - row["backend_cross_node_bytes"]
             op = by_op.setdefault(f"{row['phase']} {row['op']} {row['kind']} {row['dtype']}",
-                                  {"ledger_cross_node": 0.0, "gloo_cross_node": 0.0})
-            op["ledger_cross_node"] += row["cross_node_bytes"]
-            op["gloo_cross_node"] += cross
-    out: dict[str, Any] = {"ledger": ledger, "gloo_model": model, "by_op": by_op}
+                                  {"direct_cross_node": 0.0, "backend_cross_node": 0.0})
+            op["direct_cross_node"] += row["cross_node_bytes"]
+            op["backend_cross_node"] += row["backend_cross_node_bytes"]
+    out: dict[str, Any] = {"ledger": backend, "ledger_direct": direct, "by_op": by_op}
     wire = record["wire_per_step"]
     if wire is not None:
         out["wire"] = {"cross_node": wire["cross_node_bytes"], "intra_node": wire["intra_node_bytes"]}
-        out["wire_vs_gloo_model"] = {k: _ratio(out["wire"][k], model[k]) for k in model}
-        out["wire_vs_ledger"] = {k: _ratio(out["wire"][k], ledger[k]) for k in ledger}
+        out["wire_vs_ledger"] = {k: _ratio(out["wire"][k], backend[k]) for k in backend}
+        out["wire_vs_direct"] = {k: _ratio(out["wire"][k], direct[k]) for k in direct}
     return out
 
 
@@ -145,21 +131,22 @@ def run_each_mode(modes: Sequence[str], config: WorkerConfig, bandwidth: str | N
 
 
 def format_table(rows: dict[str, dict[str, Any]]) -> str:
-    """Per-step MB (all ranks) by link class: ledger, gloo's model, wire, and wire / model."""
-    head = (f"{'mode':<6}{'x-node ledger':>14}{'gloo model':>11}{'wire':>9}{'wire/model':>11}"
-            f"{'wire/ledger':>12}{'intra ledger':>13}{'gloo model':>11}{'loopback':>9}{'lo/model':>9}")
-    lines = ["per-step MB over all ranks (wire: link frames / loopback packets)", head]
+    """Per-step MB (all ranks) by link class: the ledger (backend figure, and direct sends), the
+    wire, and wire / ledger."""
+    head = (f"{'mode':<6}{'x-node ledger':>14}{'direct':>9}{'wire':>9}{'wire/ledger':>12}"
+            f"{'intra ledger':>13}{'direct':>9}{'loopback':>9}{'lo/ledger':>10}")
+    lines = ["per-step MB over all ranks (ledger: what gloo's algorithms send; direct: the direct "
+             "sends; wire: link frames / loopback packets)", head]
     for mode, r in rows.items():
         mb = lambda x: f"{x / 1e6:.1f}" if x is not None else "n/a"  # noqa: E731
         ratio = lambda x: f"{x:.3f}" if x is not None else "n/a"  # noqa: E731
         wire = r.get("wire", {"cross_node": None, "intra_node": None})
-        vs_model = r.get("wire_vs_gloo_model", {"cross_node": None, "intra_node": None})
+        vs = r.get("wire_vs_ledger", {"cross_node": None, "intra_node": None})
         lines.append(
-            f"{mode:<6}{mb(r['ledger']['cross_node']):>14}{mb(r['gloo_model']['cross_node']):>11}"
-            f"{mb(wire['cross_node']):>9}{ratio(vs_model['cross_node']):>11}"
-            f"{ratio(r.get('wire_vs_ledger', {}).get('cross_node')):>12}"
-            f"{mb(r['ledger']['intra_node']):>13}{mb(r['gloo_model']['intra_node']):>11}"
-            f"{mb(wire['intra_node']):>9}{ratio(vs_model['intra_node']):>9}")
+            f"{mode:<6}{mb(r['ledger']['cross_node']):>14}{mb(r['ledger_direct']['cross_node']):>9}"
+            f"{mb(wire['cross_node']):>9}{ratio(vs['cross_node']):>12}"
+            f"{mb(r['ledger']['intra_node']):>13}{mb(r['ledger_direct']['intra_node']):>9}"
+            f"{mb(wire['intra_node']):>9}{ratio(vs['intra_node']):>10}")
     return "\n".join(lines)
 
 
@@ -171,10 +158,9 @@ def run(out_dir: str = "benchmarks/results", modes: Sequence[str] = MODES, steps
     """
     config = WorkerConfig(modes=tuple(modes), steps=1 if quick else steps, warmup_steps=warmup_steps,
                           wire=True, **(QUICK_MODEL if quick else {}))
-    topology = Topology(NUM_NODES, RANKS_PER_NODE)
     started = time.perf_counter()
     records = run_each_mode(modes, config)
-    rows = {mode: {**link_classes(record, topology),
+    rows = {mode: {**link_classes(record),
                    "peak_rss_mb": record["peak_rss_mb"],
                    "secondary_copy_bytes": record["secondary_copy_bytes"],
                    "median_step_s": record["median_step_s"],

@@ -29,13 +29,11 @@ from zeropp.bench.comm import (
     QUICK_MODEL,
     RANKS_PER_NODE,
     cluster_session,
-    gloo_bytes,
     launch_worker,
     machine_info,
     run_each_mode,
 )
 from zeropp.bench.worker import MODES, WorkerConfig
-from zeropp.topology import Topology
 
 BANDWIDTHS = ("unlimited", "1gbit", "100mbit")
 TIMED_STEPS = {"unlimited": 4, "1gbit": 4, "100mbit": 3}
@@ -52,8 +50,8 @@ def deepspeed_status() -> str:
     return "installed but not wired into this benchmark; not measured"
 
 
-def mode_rows(record: dict[str, Any], bandwidth: str, memory: dict[str, dict[str, Any]] | None,
-              topology: Topology) -> list[dict[str, Any]]:
+def mode_rows(record: dict[str, Any], bandwidth: str, memory: dict[str, dict[str, Any]] | None
+              ) -> list[dict[str, Any]]:
     """One result row per mode of a job at ``bandwidth``: time, ratio, bytes, memory."""
     baseline = record["modes"]["fsdp"]["median_step_s"] if "fsdp" in record["modes"] else None
     rows = []
@@ -65,14 +63,14 @@ def mode_rows(record: dict[str, Any], bandwidth: str, memory: dict[str, dict[str
             "bandwidth": bandwidth,
             "median_step_s": result["median_step_s"],
             "ratio_vs_fsdp": result["median_step_s"] / baseline if baseline else None,
-            "cross_node_bytes_ledger": sum(r["total"]["cross_node_bytes"] for r in ledger),
+            "cross_node_bytes_ledger": sum(r["total"]["backend_cross_node_bytes"] for r in ledger),
+            "cross_node_bytes_direct": sum(r["total"]["cross_node_bytes"] for r in ledger),
             "cross_node_bytes_wire": result["wire_per_step"]["cross_node_bytes"],
             "peak_rss_mb": max(rss),
             "peak_rss_mb_per_rank": rss,
             "peak_rss_source": "own job (1 step, unlimited)" if memory else "the job of all modes",
-            "cross_node_bytes_gloo_model": sum(gloo_bytes(row, rank, topology)[0]
-                                               for rank, r in enumerate(ledger) for row in r["rows"]),
-            "intra_node_bytes_ledger": sum(r["total"]["bytes"] - r["total"]["cross_node_bytes"] for r in ledger),
+            "intra_node_bytes_ledger": sum(r["total"]["backend_bytes"] - r["total"]["backend_cross_node_bytes"]
+                                           for r in ledger),
             "intra_node_bytes_wire": result["wire_per_step"]["intra_node_bytes"],
             "secondary_copy_bytes": max(result["secondary_copy_bytes"]),
             "step_times_s": result["step_times_s"],
@@ -143,7 +141,6 @@ def run(out_dir: str = "benchmarks/results", modes: Sequence[str] = MODES,
         raise ValueError(f"modes={list(modes)} must include 'fsdp', the baseline of every ratio")
     base = WorkerConfig(modes=tuple(modes), warmup_steps=warmup_steps, wire=True,
                         **(QUICK_MODEL if quick else {}))
-    topology = Topology(NUM_NODES, RANKS_PER_NODE)
     started = time.perf_counter()
     memory = None if quick else run_each_mode(modes, replace(base, warmup_steps=0, steps=1))
     rows, jobs = [], {}
@@ -151,7 +148,7 @@ def run(out_dir: str = "benchmarks/results", modes: Sequence[str] = MODES,
         num_steps = 1 if quick else steps or TIMED_STEPS.get(bandwidth, 3)
         with cluster_session(NUM_NODES, bandwidth):
             record, result = launch_worker(replace(base, steps=num_steps), NUM_NODES, RANKS_PER_NODE)
-        rows += mode_rows(record, bandwidth, memory, topology)
+        rows += mode_rows(record, bandwidth, memory)
         jobs[bandwidth] = {"elapsed_s": result.elapsed_s, "peak_rss_mb": record["peak_rss_mb"], "steps": num_steps}
         print(format_table([r for r in rows if r["bandwidth"] == bandwidth]), flush=True)
     result = {

@@ -43,7 +43,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 import zeropp
 from zeropp.comms import CountingAllGather, CountingReduceScatter, all_gather_strings
 from zeropp.data import CharCorpus
-from zeropp.ledger import GroupInfo, Op
+from zeropp.ledger import COUNTS, GroupInfo, Op
 from zeropp.models import GPT, GPTConfig
 from zeropp.shard import secondary_copy_bytes, select_units
 
@@ -52,7 +52,6 @@ MODES = ("fsdp", "hsdp", "qwz", "hpz", "qgz", "all")
 hybrid sharding (replicate across nodes, shard within); the rest: ZeRO++ techniques, alone or all."""
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-_COUNTS = ("calls", "bytes", "cross_node_bytes")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,7 +125,7 @@ def shard_hsdp(model: nn.Module, topology: zeropp.Topology, mp: MixedPrecisionPo
     mesh = init_device_mesh("cpu", (topology.num_nodes, topology.ranks_per_node),
                             mesh_dim_names=("replicate", "shard"))
     replicate_ranks = dist.get_process_group_ranks(mesh.get_group("replicate"))
-    replicate = GroupInfo.of(topology, replicate_ranks, dist.get_rank())
+    replicate = GroupInfo.of(topology, replicate_ranks, dist.get_rank(), str(dist.get_backend()))
     ledger = zeropp.comm_ledger()
 
     def count_all_reduce(reduced: torch.Tensor) -> None:
@@ -213,7 +212,7 @@ class Window:
 
     def __init__(self, topology: zeropp.Topology, wire: bool) -> None:
         self.topology, self.wire = topology, wire
-        self.ledger_rows: dict[tuple, dict[str, int]] = defaultdict(lambda: dict.fromkeys(_COUNTS, 0))
+        self.ledger_rows: dict[tuple, dict[str, int]] = defaultdict(lambda: dict.fromkeys(COUNTS, 0))
         self.links: dict[str, int] = defaultdict(int)
         self.loopback: dict[str, int] = defaultdict(int)
 
@@ -225,7 +224,7 @@ class Window:
     def close(self, before: list[Any]) -> None:
         for row in zeropp.comm_ledger().rows():
             key = tuple(row[k] for k in ("phase", "op", "kind", "group_size", "dtype", "technique"))
-            for count in _COUNTS:
+            for count in COUNTS:
                 self.ledger_rows[key][count] += row[count]
         after = gather_json(read_counters(self.topology) if self.wire else None)
         if self.wire:
@@ -240,9 +239,9 @@ class Window:
         rows = [{"phase": k[0], "op": k[1], "kind": k[2], "group_size": k[3], "dtype": k[4],
                  "technique": k[5], **{c: v / num_steps for c, v in counts.items()}}
                 for k, counts in sorted(self.ledger_rows.items())]
-        out: dict[str, Any] = {"total": {c: sum(r[c] for r in rows) for c in _COUNTS}, "rows": rows}
+        out: dict[str, Any] = {"total": {c: sum(r[c] for r in rows) for c in COUNTS}, "rows": rows}
         for name, field in (("by_op", "op"), ("by_group", "kind"), ("by_technique", "technique")):
-            out[name] = {value: {c: sum(r[c] for r in rows if r[field] == value) for c in _COUNTS}
+            out[name] = {value: {c: sum(r[c] for r in rows if r[field] == value) for c in COUNTS}
                          for value in sorted({r[field] for r in rows})}
         return out
 
