@@ -170,12 +170,16 @@ def packed_numel(numel: int, bits: int, block_size: int) -> int:
 
 def _to_blocks(chunks: Tensor, block_size: int) -> tuple[Tensor, bool]:
     """View ``chunks`` (num_chunks, chunk_numel) as fp32 rows of one block each, zero-padded,
-    and say whether that is a fresh copy, which later steps may then overwrite."""
-    padding = -chunks.shape[1] % block_size
-    blocks = chunks.float()
-    if padding:
-        blocks = F.pad(blocks, (0, padding))
-    return blocks.reshape(-1, block_size), padding > 0 or chunks.dtype != torch.float32
+    and say whether that is a fresh copy, which later steps may then overwrite. Casting and
+    padding share one pass over memory."""
+    num_chunks, numel = chunks.shape
+    padding = -numel % block_size
+    if chunks.dtype == torch.float32 and not padding:
+        return chunks.reshape(-1, block_size), False
+    blocks = torch.empty((num_chunks, numel + padding), dtype=torch.float32, device=chunks.device)
+    blocks[:, :numel].copy_(chunks)
+    blocks[:, numel:].zero_()
+    return blocks.view(-1, block_size), True
 
 
 def _block_scales(blocks: Tensor, bits: int) -> Tensor:
@@ -196,11 +200,16 @@ def _block_codes(blocks: Tensor, scales: Tensor, overwrite: bool) -> Tensor:
     With ``overwrite`` the codes replace ``blocks`` in place, saving a full-size allocation.
 
     Dividing by inf maps a zero block to 0 and a non-finite block to 0 or NaN; nan_to_num_
-    then zeroes the NaNs, so the later integer cast never sees one.
+    then zeroes the NaNs, so the later integer cast never sees one. Only a NaN scale (a
+    non-finite block) can leave a NaN, so on CPU, where asking costs no device sync, the pass
+    is skipped when there is none.
     """
     divisors = torch.where(scales > 0, scales, torch.inf)[:, None]
     codes = blocks.div_(divisors) if overwrite else blocks / divisors
-    return codes.round_().nan_to_num_(0.0)
+    codes.round_()
+    if codes.device.type != "cpu" or bool(scales.isnan().any()):
+        codes.nan_to_num_(0.0)
+    return codes
 
 
 def _store_codes(codes: Tensor, bits: int, data_out: Tensor) -> None:
@@ -211,18 +220,35 @@ def _store_codes(codes: Tensor, bits: int, data_out: Tensor) -> None:
     if bits == 8:
         data_out.view(torch.int8).copy_(codes)
         return
-    nibbles = codes.to(torch.int8).add_(8).view(torch.uint8)
-    data_out.copy_(nibbles[:, 0::2] | (nibbles[:, 1::2] << 4))
+    # byte = (even + 8) + 16 * (odd + 8), computed exactly in fp32 (|code| <= 7), then narrowed
+    pairs = torch.add(codes[:, 0::2], codes[:, 1::2], alpha=16).add_(8 + 16 * 8)
+    data_out.copy_(pairs)
 
 
-def _load_codes(data: Tensor, bits: int, padded_numel: int) -> Tensor:
-    """Read fp32 codes from int8 bytes or nibbles, zero-extended to (num_chunks, padded_numel)."""
-    if bits == 8:
-        codes = data.view(torch.int8).float()
-    else:
-        nibbles = torch.stack((data & 0x0F, data >> 4), dim=-1)
-        codes = nibbles.reshape(data.shape[0], -1).float().sub_(8)
-    return F.pad(codes, (0, padded_numel - codes.shape[1]))
+_NIBBLE_TABLES: dict[torch.device, Tensor] = {}
+
+
+def _nibble_table(device: torch.device) -> Tensor:
+    """(256, 2) fp32: the codes (low nibble - 8, high nibble - 8) of every byte."""
+    table = _NIBBLE_TABLES.get(device)
+    if table is None:
+        byte = torch.arange(256, device=device)
+        table = _NIBBLE_TABLES[device] = torch.stack((byte & 0x0F, byte >> 4), dim=1).float().sub_(8)
+    return table
+
+
+def _multiply_blocks(codes: Tensor, scales: Tensor, block_size: int, out: Tensor) -> None:
+    """``out = codes * scale`` of each element's block, computed in fp32 and cast to out's dtype
+    as it is written (one pass); ``codes`` (num_chunks, >= numel) int8 or fp32, ``out``
+    (num_chunks, numel) with contiguous rows."""
+    num_chunks, numel = out.shape
+    full = numel // block_size * block_size
+    if full:
+        shape = (num_chunks, full // block_size, block_size)
+        torch.mul(codes[:, :full].view(shape), scales[:, :full // block_size, None],
+                  out=out[:, :full].view(shape))
+    if numel > full:
+        torch.mul(codes[:, full:numel], scales[:, full // block_size:][:, :1], out=out[:, full:])
 
 
 def _split_rows(packed: Tensor, bits: int, block_size: int, chunk_numel: int) -> tuple[Tensor, Tensor]:
@@ -250,7 +276,7 @@ def _encode_into(
     chunks: Tensor, bits: int, block_size: int, data_out: Tensor, scales_out: Tensor
 ) -> None:
     """Quantize ``chunks`` (num_chunks, chunk_numel) into the views ``data_out``
-    (num_chunks, data_bytes) and ``scales_out`` (num_chunks, num_blocks), in one pass."""
+    (num_chunks, data_bytes) and ``scales_out`` (num_chunks, num_blocks), all rows at once."""
     if _use_triton(chunks.device):
         quant_triton.encode_rows(chunks, bits, block_size, data_out, scales_out)
         return
@@ -267,9 +293,11 @@ def _decode_into(data: Tensor, scales: Tensor, bits: int, block_size: int, out: 
     if _use_triton(out.device):
         quant_triton.decode_rows(data, scales, bits, block_size, out)
         return
-    codes = _load_codes(data, bits, scales.shape[1] * block_size)
-    values = codes.view(-1, block_size).mul_(scales.reshape(-1, 1)).view(codes.shape)
-    out.copy_(values[:, : out.shape[1]])
+    if bits == 8:
+        codes = data.view(torch.int8)
+    else:  # one gather: each byte becomes its two codes
+        codes = _nibble_table(data.device).index_select(0, data.reshape(-1).int()).view(data.shape[0], -1)
+    _multiply_blocks(codes, scales, block_size, out)
 
 
 def quantize(x: Tensor, bits: int, block_size: int) -> tuple[Tensor, Tensor]:
