@@ -33,7 +33,6 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from zeropp import quant_triton
