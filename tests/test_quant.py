@@ -358,6 +358,31 @@ def test_int4_stores_two_codes_per_byte_low_nibble_first() -> None:
     assert payload.numel() == 1000 // 2
 
 
+@pytest.mark.parametrize("bits", (4, 8))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_codes_and_decode_equal_the_formula(bits: int, dtype: torch.dtype) -> None:
+    """Every code is round-half-even(x / scale) with scale = absmax / qmax in fp32, and every
+    decoded element is code * scale in fp32 cast to the output dtype: an element-by-element
+    reference, written without any of the library's passes (numel 1000, block 64: a ragged
+    last block)."""
+    x = (torch.randn(1000, generator=torch.Generator().manual_seed(3)) * 10).to(dtype)
+    payload, scales = quantize(x, bits, 64)
+    qmax = 2 ** (bits - 1) - 1
+    blocks = torch.nn.functional.pad(x.float(), (0, 24)).view(-1, 64)
+    expected_scales = blocks.abs().amax(dim=1) / qmax
+    assert torch.equal(scales, expected_scales)
+    expected_codes = torch.round(blocks / expected_scales[:, None]).flatten()[:1000].to(torch.int64)
+    if bits == 8:
+        codes = payload.view(torch.int8).to(torch.int64)
+    else:
+        codes = torch.stack((payload & 15, payload >> 4), dim=1).flatten().to(torch.int64) - 8
+    assert torch.equal(codes, expected_codes)
+    for out_dtype in (torch.float32, torch.bfloat16, torch.float64):
+        decoded = dequantize(payload, scales, bits, 64, 1000, out_dtype)
+        reference = (expected_codes.float() * expected_scales.repeat_interleave(64)[:1000]).to(out_dtype)
+        assert torch.equal(decoded, reference)
+
+
 def test_empty_input_round_trips() -> None:
     payload, scales = quantize(torch.empty(0, dtype=torch.bfloat16), 4, 32)
     assert payload.numel() == 0 and scales.numel() == 0 and packed_numel(0, 4, 32) == 0
