@@ -77,8 +77,8 @@ if triton is not None:
     def _encode_kernel(x_ptr, x_stride, data_ptr, data_stride, scales_ptr, scales_stride,
                        numel, num_blocks, data_bytes,
                        BITS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        blocks = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+        row = tl.program_id(1).to(tl.int64)
+        blocks = tl.program_id(0) * GROUP + tl.arange(0, GROUP)
         x_row = x_ptr + row * x_stride
         data_row = data_ptr + row * data_stride
         QMAX: tl.constexpr = 2 ** (BITS - 1) - 1
@@ -105,8 +105,8 @@ if triton is not None:
     def _decode_kernel(data_ptr, data_stride, scales_ptr, scales_stride, out_ptr, out_stride,
                        numel, num_blocks,
                        BITS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        blocks = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+        row = tl.program_id(1).to(tl.int64)
+        blocks = tl.program_id(0) * GROUP + tl.arange(0, GROUP)
         data_row = data_ptr + row * data_stride
         out_row = out_ptr + row * out_stride
         scale = tl.load(scales_ptr + row * scales_stride + blocks, mask=blocks < num_blocks, other=0.0)
@@ -125,9 +125,10 @@ if triton is not None:
 
 
 def _launch_shape(num_chunks: int, num_blocks: int, block_size: int) -> tuple[int, tuple[int, int], int]:
-    """Blocks per program, the grid, and warps per program."""
+    """Blocks per program, the grid, and warps per program. Block groups go on the grid's
+    first axis (up to 2**31 - 1 programs), chunks (one per rank) on the second (up to 65535)."""
     group = max(1, _ELEMENTS_PER_PROGRAM // block_size)
-    grid = (num_chunks, -(-num_blocks // group))
+    grid = (-(-num_blocks // group), num_chunks)
     num_warps = 8 if group * block_size >= 8192 else 4
     return group, grid, num_warps
 
