@@ -224,18 +224,6 @@ def _store_codes(codes: Tensor, bits: int, data_out: Tensor) -> None:
     data_out.copy_(pairs)
 
 
-_NIBBLE_TABLES: dict[torch.device, Tensor] = {}
-
-
-def _nibble_table(device: torch.device) -> Tensor:
-    """(256, 2) fp32: the codes (low nibble - 8, high nibble - 8) of every byte."""
-    table = _NIBBLE_TABLES.get(device)
-    if table is None:
-        byte = torch.arange(256, device=device)
-        table = _NIBBLE_TABLES[device] = torch.stack((byte & 0x0F, byte >> 4), dim=1).float().sub_(8)
-    return table
-
-
 def _multiply_blocks(codes: Tensor, scales: Tensor, block_size: int, out: Tensor) -> None:
     """``out = codes * scale`` of each element's block, computed in fp32 and cast to out's dtype
     as it is written (one pass); ``codes`` (num_chunks, >= numel) int8 or fp32, ``out``
@@ -294,8 +282,8 @@ def _decode_into(data: Tensor, scales: Tensor, bits: int, block_size: int, out: 
         return
     if bits == 8:
         codes = data.view(torch.int8)
-    else:  # one gather: each byte becomes its two codes
-        codes = _nibble_table(data.device).index_select(0, data.reshape(-1).int()).view(data.shape[0], -1)
+    else:  # each byte becomes its two codes (low nibble first), exact in fp32
+        codes = torch.stack((data & 0x0F, data >> 4), dim=-1).view(data.shape[0], -1).float().sub_(8)
     _multiply_blocks(codes, scales, block_size, out)
 
 
