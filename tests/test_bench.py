@@ -74,6 +74,37 @@ def test_worker_record_on_local_ranks() -> None:
     assert total < 0.25 * sum(r["total"]["cross_node_bytes"] for r in fsdp["ledger_per_step"])
 
 
+PEER = replace(TINY, modes=("fsdp", "deepspeed"), steps=3, param_dtype="float32", lr=1e-2)
+"""A large learning rate, so that a difference in the updates shows in the third step's loss
+(with DeepSpeed's default clipping at norm 1.0 it moves by 3e-4 relative)."""
+
+
+def _run_peer(rank: int, world_size: int, config: WorkerConfig) -> dict | None:
+    return run(config)
+
+
+def test_deepspeed_zero3_trains_like_plain_fsdp2() -> None:
+    """DeepSpeed ZeRO-3 (the benchmark's peer) and zeropp's plain FSDP2 mode on the same weights,
+    batches and AdamW, in fp32, with DeepSpeed's default gradient clipping turned off: the same
+    math in a different reduction order, so the losses of three steps agree to fp32 rounding
+    (~1e-7 relative per op; 1e-5 leaves room for Adam's division where |grad| is near eps)."""
+    pytest.importorskip("deepspeed", reason="the optional peer: DS_BUILD_OPS=0 pip install "
+                        "--no-build-isolation -e '.[peer]' (make venv installs it)")
+    record, *_ = run_distributed(_run_peer, 4, PEER, env={"ZEROPP_RANKS_PER_NODE": "2"})
+    fsdp, deepspeed = record["modes"]["fsdp"], record["modes"]["deepspeed"]
+    assert len(deepspeed["losses"]) == 3 and deepspeed["ledger_per_step"] is None
+    assert deepspeed["losses"][-1] < deepspeed["losses"][0]  # it trains
+    for ours, theirs in zip(fsdp["losses"], deepspeed["losses"]):
+        assert math.isclose(theirs, ours, rel_tol=1e-5), (fsdp["losses"], deepspeed["losses"])
+
+
+def test_deepspeed_mode_needs_equal_micro_batches() -> None:
+    from zeropp.bench.worker import deepspeed_config
+
+    with pytest.raises(ValueError, match="batch_size=10 must be a multiple of the world size 4"):
+        deepspeed_config(replace(PEER, batch_size=10), 4)
+
+
 @pytest.mark.parametrize("op,kind,per_peer,direct_cross,backend_cross", [
     # Measured on the 2 x 2 cluster with a chunk of c bytes per rank (frames / 1.046):
     (Op.ALL_GATHER, "world", 1, 8, 6),        # ring: 2 of the 4 ring edges cross, 3c each
@@ -124,3 +155,23 @@ def test_wire_matches_the_ledger_on_the_cluster(namespaces: None) -> None:
         # Frames carry 4.6% more than the payload; the two meetings around the step add a little.
         assert 1.0 <= classes["wire_vs_ledger"]["cross_node"] <= 1.10, (mode, classes)
         assert 1.0 <= classes["wire_vs_ledger"]["intra_node"] <= 1.10, (mode, classes)
+
+
+def test_step_rows_of_a_peer_without_a_ledger() -> None:
+    """DeepSpeed's collectives bypass the ledger: its row says n/a, not zero bytes."""
+    from zeropp.bench import step
+
+    def result(seconds: float, ledger: list | None) -> dict:
+        return {"median_step_s": seconds, "ledger_per_step": ledger, "step_times_s": [seconds],
+                "losses": [4.0], "secondary_copy_bytes": [0], "wire_per_step": {
+                    "cross_node_bytes": 100.0 * seconds, "intra_node_bytes": 50.0}}
+
+    totals = {"backend_cross_node_bytes": 80, "cross_node_bytes": 60, "backend_bytes": 120}
+    record = {"peak_rss_mb": [500.0], "modes": {"fsdp": result(2.0, [{"total": totals}] * 2),
+                                                "deepspeed": result(3.0, None)}}
+    fsdp, peer = step.mode_rows(record, "1gbit", None)
+    assert (fsdp["cross_node_bytes_ledger"], fsdp["cross_node_bytes_direct"], fsdp["intra_node_bytes_ledger"]) == (160, 120, 80)
+    assert peer["cross_node_bytes_ledger"] is None and peer["intra_node_bytes_ledger"] is None
+    assert peer["ratio_vs_fsdp"] == 1.5 and peer["cross_node_bytes_wire"] == 300.0
+    table = step.format_table([fsdp, peer])
+    assert "deepspeed" in table and "n/a" in table.splitlines()[-1]

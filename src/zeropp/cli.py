@@ -48,11 +48,12 @@ def _bench(args: argparse.Namespace) -> int:
     elif args.what == "comm":
         from zeropp.bench import comm
 
-        comm.run(out_dir=args.out, quick=args.quick)
+        comm.run(out_dir=args.out, quick=args.quick, **({"modes": args.modes} if args.modes else {}))
     else:
         from zeropp.bench import step
 
-        step.run(out_dir=args.out, quick=args.quick)
+        step.run(out_dir=args.out, quick=args.quick, modes=args.modes, param_dtype=args.param_dtype,
+                 **({"bandwidths": args.bandwidths} if args.bandwidths else {}))
     return 0
 
 
@@ -73,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("what", choices=["quant", "comm", "step"])
     bench.add_argument("--out", default="benchmarks/results")
     bench.add_argument("--quick", action="store_true", help="comm/step: a tiny model, one step (smoke run)")
+    bench.add_argument("--modes", type=lambda text: tuple(text.split(",")), default=None,
+                       help="comm/step: comma-separated worker modes (default: all of them; step adds "
+                            "'deepspeed' when DeepSpeed is installed)")
+    bench.add_argument("--bandwidths", type=lambda text: tuple(text.split(",")), default=None,
+                       help="step: comma-separated inter-node rates (default: unlimited,1gbit,100mbit)")
+    bench.add_argument("--param-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                       help="step: dtype of compute and weight gathers (float32 on CPUs without fast bf16)")
     bench.set_defaults(func=_bench)
     from zeropp.bench import converge, finetune
     from zeropp.checkpoint import add_commands as add_checkpoint_commands

@@ -7,9 +7,9 @@ is a process-wide figure, so each mode's comes from a job of its own (one step, 
 the link rate does not change what a rank holds). Results: ``bench_step.json`` (one record per
 mode x bandwidth) and ``bench_step.png``.
 
-DeepSpeed ZeRO-3, the seed system's own baseline, is an optional peer: when ``deepspeed`` is not
-importable the JSON says so. Its ZeRO++ quantizer kernels are CUDA-only, so on CPU it could only
-run plain ZeRO-3 in any case.
+DeepSpeed ZeRO-3, the seed system's own baseline, is an optional peer (mode ``deepspeed``): it
+trains beside the others when DeepSpeed is installed, and the JSON says why not otherwise. Its
+ZeRO++ quantizer kernels are CUDA-only, so on CPU it runs plain ZeRO-3.
 """
 
 from __future__ import annotations
@@ -42,12 +42,24 @@ TARGET_RATIO = {"unlimited": 1.15, "100mbit": 0.45}
 """Issue 6's bounds on zeropp with all three techniques, as step time / plain FSDP2's."""
 
 
-def deepspeed_status() -> str:
-    """Why DeepSpeed ZeRO-3 is not in the results (it is an optional peer)."""
-    if importlib.util.find_spec("deepspeed") is None:
-        return ("not installed (optional: DS_BUILD_OPS=0 pip install deepspeed==0.19.8, run with "
-                "DS_ACCELERATOR=cpu); not measured")
-    return "installed but not wired into this benchmark; not measured"
+def deepspeed_available() -> bool:
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def deepspeed_status(modes: Sequence[str], param_dtype: str) -> str:
+    """What the results say about DeepSpeed ZeRO-3, the optional peer."""
+    if "deepspeed" in modes:
+        from importlib.metadata import version
+
+        return (f"DeepSpeed {version('deepspeed')} ZeRO-3 (DS_ACCELERATOR=cpu, gloo), mode 'deepspeed': "
+                f"{param_dtype} gathers, fp32 gradient reduction, no clipping, its own defaults "
+                f"otherwise; its collectives bypass zeropp's ledger (wire bytes only). Its ZeRO++ (zero_quantized_weights, "
+                f"zero_hpz_partition_size, zero_quantized_gradients) needs CUDA quantizer kernels, "
+                f"so it is not run here")
+    if not deepspeed_available():
+        return ("not installed (optional: DS_BUILD_OPS=0 pip install --no-build-isolation "
+                "deepspeed==0.19.8); not measured")
+    return "installed but not among the modes asked for; not measured"
 
 
 def mode_rows(record: dict[str, Any], bandwidth: str, memory: dict[str, dict[str, Any]] | None
@@ -56,21 +68,22 @@ def mode_rows(record: dict[str, Any], bandwidth: str, memory: dict[str, dict[str
     baseline = record["modes"]["fsdp"]["median_step_s"] if "fsdp" in record["modes"] else None
     rows = []
     for mode, result in record["modes"].items():
-        ledger = result["ledger_per_step"]
+        ledger = result["ledger_per_step"]  # None for a peer system: its comms bypass the ledger
+        total = (lambda count: sum(r["total"][count] for r in ledger)) if ledger is not None else (lambda count: None)
         rss = memory[mode]["peak_rss_mb"] if memory else record["peak_rss_mb"]
         rows.append({
             "mode": mode,
             "bandwidth": bandwidth,
             "median_step_s": result["median_step_s"],
             "ratio_vs_fsdp": result["median_step_s"] / baseline if baseline else None,
-            "cross_node_bytes_ledger": sum(r["total"]["backend_cross_node_bytes"] for r in ledger),
-            "cross_node_bytes_direct": sum(r["total"]["cross_node_bytes"] for r in ledger),
+            "cross_node_bytes_ledger": total("backend_cross_node_bytes"),
+            "cross_node_bytes_direct": total("cross_node_bytes"),
             "cross_node_bytes_wire": result["wire_per_step"]["cross_node_bytes"],
             "peak_rss_mb": max(rss),
             "peak_rss_mb_per_rank": rss,
             "peak_rss_source": "own job (1 step, unlimited)" if memory else "the job of all modes",
-            "intra_node_bytes_ledger": sum(r["total"]["backend_bytes"] - r["total"]["backend_cross_node_bytes"]
-                                           for r in ledger),
+            "intra_node_bytes_ledger": (total("backend_bytes") - total("backend_cross_node_bytes")
+                                        if ledger is not None else None),
             "intra_node_bytes_wire": result["wire_per_step"]["intra_node_bytes"],
             "secondary_copy_bytes": max(result["secondary_copy_bytes"]),
             "step_times_s": result["step_times_s"],
@@ -80,15 +93,16 @@ def mode_rows(record: dict[str, Any], bandwidth: str, memory: dict[str, dict[str
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'bandwidth':<10}{'mode':<6}{'median s':>9}{'x fsdp':>8}{'x-node MB ledger':>17}"
+    head = (f"{'bandwidth':<10}{'mode':<10}{'median s':>9}{'x fsdp':>8}{'x-node MB ledger':>17}"
             f"{'wire':>8}{'wire x fsdp':>12}{'peak RSS MB':>12}")
     lines = ["per training step, all ranks together (wire: inter-node link frames)", head]
     wire_fsdp = {r["bandwidth"]: r["cross_node_bytes_wire"] for r in rows if r["mode"] == "fsdp"}
     for r in rows:
         ratio = f"{r['ratio_vs_fsdp']:.3f}" if r["ratio_vs_fsdp"] is not None else "n/a"
         wire_ratio = r["cross_node_bytes_wire"] / wire_fsdp[r["bandwidth"]] if r["bandwidth"] in wire_fsdp else None
-        lines.append(f"{r['bandwidth']:<10}{r['mode']:<6}{r['median_step_s']:>9.2f}{ratio:>8}"
-                     f"{r['cross_node_bytes_ledger'] / 1e6:>17.1f}{r['cross_node_bytes_wire'] / 1e6:>8.1f}"
+        ledger = f"{r['cross_node_bytes_ledger'] / 1e6:.1f}" if r["cross_node_bytes_ledger"] is not None else "n/a"
+        lines.append(f"{r['bandwidth']:<10}{r['mode']:<10}{r['median_step_s']:>9.2f}{ratio:>8}"
+                     f"{ledger:>17}{r['cross_node_bytes_wire'] / 1e6:>8.1f}"
                      f"{wire_ratio if wire_ratio is not None else float('nan'):>12.3f}{r['peak_rss_mb']:>12.0f}")
     return "\n".join(lines)
 
@@ -120,7 +134,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     left.set_ylabel("median step time / plain FSDP2 (same run)")
     right.set_ylabel("cross-node bytes per step on the wire (MB, all links)")
     for ax in (left, right):
-        ax.set_xticks(range(len(bandwidths)), [f"{bw} between nodes" for bw in bandwidths])
+        ax.set_xticks(range(len(bandwidths)), [f"{bw}\nbetween nodes" for bw in bandwidths])
         ax.grid(axis="y", alpha=0.3)
     left.legend(ncol=3, fontsize=8)
     fig.suptitle(f"GPT training step, {NUM_NODES} nodes x {RANKS_PER_NODE} CPU ranks (gloo), emulated links")
@@ -129,17 +143,25 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
-def run(out_dir: str = "benchmarks/results", modes: Sequence[str] = MODES,
+def default_modes() -> tuple[str, ...]:
+    """Every worker mode, plus DeepSpeed ZeRO-3 where DeepSpeed is installed."""
+    return MODES + (("deepspeed",) if deepspeed_available() else ())
+
+
+def run(out_dir: str = "benchmarks/results", modes: Sequence[str] | None = None,
         bandwidths: Sequence[str] = BANDWIDTHS, warmup_steps: int = 1, steps: int | None = None,
-        quick: bool = False) -> dict[str, Any]:
+        quick: bool = False, param_dtype: str = "bfloat16") -> dict[str, Any]:
     """Time every mode at every bandwidth, print the table, write bench_step.json and .png.
 
     ``steps``: timed steps per mode (default ``TIMED_STEPS`` per bandwidth). ``quick``: the
-    0.43M-parameter model, one timed step, no separate memory jobs (a smoke run).
+    0.43M-parameter model, one timed step, no separate memory jobs (a smoke run). ``modes``:
+    default ``default_modes()``. ``param_dtype``: of compute and weight gathers ("float32" where
+    the CPU has no fast bf16 matmul: without AVX-512 BF16/AMX a bf16 step is compute-bound).
     """
+    modes = default_modes() if modes is None else tuple(modes)
     if "fsdp" not in modes:
         raise ValueError(f"modes={list(modes)} must include 'fsdp', the baseline of every ratio")
-    base = WorkerConfig(modes=tuple(modes), warmup_steps=warmup_steps, wire=True,
+    base = WorkerConfig(modes=tuple(modes), warmup_steps=warmup_steps, wire=True, param_dtype=param_dtype,
                         **(QUICK_MODEL if quick else {}))
     started = time.perf_counter()
     memory = None if quick else run_each_mode(modes, replace(base, warmup_steps=0, steps=1))
@@ -156,7 +178,7 @@ def run(out_dir: str = "benchmarks/results", modes: Sequence[str] = MODES,
         "config": {**asdict(base), "num_nodes": NUM_NODES, "ranks_per_node": RANKS_PER_NODE,
                    "num_parameters": record["num_parameters"], "bandwidths": list(bandwidths),
                    "elapsed_s": time.perf_counter() - started},
-        "deepspeed": deepspeed_status(),
+        "deepspeed": deepspeed_status(modes, param_dtype),
         "jobs": jobs,
         "records": rows,
     }

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import resource
 import statistics
 import time
@@ -50,6 +52,9 @@ from zeropp.shard import secondary_copy_bytes, select_units
 MODES = ("fsdp", "hsdp", "qwz", "hpz", "qgz", "all")
 """``fsdp``: zeropp.shard without techniques (plain FSDP2, comms counted); ``hsdp``: FSDP2's own
 hybrid sharding (replicate across nodes, shard within); the rest: ZeRO++ techniques, alone or all."""
+PEER_MODES = ("deepspeed",)
+"""Other systems, trained on request: ``deepspeed`` is DeepSpeed ZeRO-3 (an optional dependency).
+Its collectives bypass zeropp's ledger, so only the wire counts its bytes."""
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -80,9 +85,9 @@ class WorkerConfig:
     """Read the emulated cluster's link counters and each node's loopback around every timed step."""
 
     def __post_init__(self) -> None:
-        unknown = [mode for mode in self.modes if mode not in MODES]
+        unknown = [mode for mode in self.modes if mode not in MODES + PEER_MODES]
         if not self.modes or unknown or len(set(self.modes)) != len(self.modes):
-            raise ValueError(f"modes={list(self.modes)} must be distinct names from {list(MODES)}")
+            raise ValueError(f"modes={list(self.modes)} must be distinct names from {list(MODES + PEER_MODES)}")
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {list(DTYPES)}")
@@ -142,7 +147,8 @@ def shard_hsdp(model: nn.Module, topology: zeropp.Topology, mp: MixedPrecisionPo
 
 
 def build_model(mode: str, config: WorkerConfig, vocab_size: int, topology: zeropp.Topology) -> nn.Module:
-    """The GPT (the same initial weights for every mode and rank), sharded as ``mode`` says."""
+    """The GPT (the same initial weights for every mode and rank), sharded as ``mode`` says
+    (``deepspeed``: unsharded here; ``DeepSpeedTrainer`` hands it to DeepSpeed)."""
     torch.manual_seed(config.seed)
     model = GPT(GPTConfig(vocab_size=vocab_size, context_length=config.context_length,
                           num_layers=config.num_layers, num_heads=config.num_heads,
@@ -150,7 +156,7 @@ def build_model(mode: str, config: WorkerConfig, vocab_size: int, topology: zero
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[config.param_dtype], reduce_dtype=DTYPES[config.reduce_dtype])
     if mode == "hsdp":
         shard_hsdp(model, topology, mp)
-    else:
+    elif mode != "deepspeed":
         zeropp.shard(model, zeropp_config(mode, topology, mp), topology=topology)
     return model
 
@@ -169,11 +175,58 @@ class Trainer:
         x, y = self.corpus.batch_at("train", step, self.config.batch_size, self.config.context_length,
                                     self.config.seed)
         started = time.perf_counter()
-        _, loss = self.model(x[self.rows], y[self.rows])
+        loss = self.forward_backward_step(x[self.rows], y[self.rows])
+        return time.perf_counter() - started, loss.item()
+
+    def forward_backward_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        _, loss = self.model(x, y)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return time.perf_counter() - started, loss.item()
+        return loss
+
+
+def deepspeed_config(config: WorkerConfig, world_size: int) -> dict[str, Any]:
+    """DeepSpeed ZeRO-3 matching the FSDP2 modes: gathers in ``param_dtype`` (bf16 keeps fp32
+    master weights in the optimizer, as FSDP2's mixed precision does), gradient reduction in
+    ``reduce_dtype``; no gradient clipping (DeepSpeed clips at norm 1.0 unless told otherwise,
+    which moves Adam's updates where |grad| is near eps); everything else at DeepSpeed's defaults."""
+    if config.batch_size % world_size:
+        raise ValueError(f"deepspeed mode: batch_size={config.batch_size} must be a multiple of the "
+                         f"world size {world_size} (DeepSpeed needs equal micro-batches)")
+    return {
+        "train_batch_size": config.batch_size,
+        "train_micro_batch_size_per_gpu": config.batch_size // world_size,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 3},
+        "bf16": {"enabled": config.param_dtype == "bfloat16"},
+        "communication_data_type": {"float32": "fp32", "bfloat16": "bf16"}[config.reduce_dtype],
+        "steps_per_print": 2**31 - 1,
+    }
+
+
+class DeepSpeedTrainer(Trainer):
+    """DeepSpeed ZeRO-3 on the same model, optimizer and batches (DS_ACCELERATOR=cpu without CUDA;
+    the process group is the one already initialised, gloo here)."""
+
+    def __init__(self, model: nn.Module, corpus: CharCorpus, config: WorkerConfig) -> None:
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            import deepspeed
+        except ImportError as error:
+            raise RuntimeError("mode 'deepspeed' needs DeepSpeed: DS_BUILD_OPS=0 pip install "
+                               "--no-build-isolation deepspeed==0.19.8") from error
+        deepspeed.utils.logger.setLevel(logging.WARNING)
+        super().__init__(model, corpus, config)
+        self.model, self.optimizer, *_ = deepspeed.initialize(
+            model=model, optimizer=self.optimizer, config=deepspeed_config(config, dist.get_world_size()))
+
+    def forward_backward_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        _, loss = self.model(x, y)
+        self.model.backward(loss)
+        self.model.step()
+        return loss
 
 
 def loopback_bytes() -> int:
@@ -279,7 +332,8 @@ def run(config: WorkerConfig) -> dict[str, Any] | None:
     topology = zeropp.Topology.from_env()
     corpus = CharCorpus.shakespeare()
     models = {mode: build_model(mode, config, corpus.vocab_size, topology) for mode in config.modes}
-    trainers = {mode: Trainer(model, corpus, config) for mode, model in models.items()}
+    trainers = {mode: (DeepSpeedTrainer if mode == "deepspeed" else Trainer)(model, corpus, config)
+                for mode, model in models.items()}
     windows = {mode: Window(topology, config.wire) for mode in config.modes}
     results = train_interleaved(trainers, windows, config)
     mine = {mode: {**results[mode], "ledger": windows[mode].ledger_per_step(config.steps),
@@ -306,7 +360,7 @@ def mode_record(mode: str, ranks: list[dict[str, Any]], window: Window, num_step
         "step_times_s": step_times,
         "median_step_s": statistics.median(step_times),
         "losses": [statistics.fmean(r["losses"][i] for r in ranks) for i in range(num_steps)],
-        "ledger_per_step": [r["ledger"] for r in ranks],
+        "ledger_per_step": None if mode in PEER_MODES else [r["ledger"] for r in ranks],
         "secondary_copy_bytes": [r["secondary_copy_bytes"] for r in ranks],
         "wire_per_step": window.wire_per_step(num_steps),
     }
