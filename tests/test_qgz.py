@@ -69,23 +69,26 @@ def reference_and_bound(inputs: list[torch.Tensor], topology: Topology, rank: in
                         bits_intra: int, bits_inter: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact fp32 sum of chunk ``rank`` over all ranks, and the bound on qgZ's error for it.
 
-    Hop 1: node n's partial is the sum of its D ranks' chunk, each quantized once: error e1(n) <=
-    sum over its ranks of scale/2 (scale of that rank's block). Hop 2 requantizes the partial,
-    whose block absmax is at most the exact partial's plus e1, so e2(n) <= (absmax + max e1) /
-    qmax / 2. The total error is sum over nodes of e1 + e2, plus fp32 summation rounding.
+    Hop 1: node n's partial is the sum of its D ranks' chunk, each quantized once except the
+    one its receiver (local index of ``rank``) holds itself: error e1(n) <= sum over the other
+    ranks of scale/2 (scale of that rank's block). Hop 2 requantizes the partial of every node
+    but ``rank``'s own, whose block absmax is at most the exact partial's plus e1, so e2(n) <=
+    (absmax + max e1) / qmax / 2. The total error is sum over nodes of e1 + e2, plus fp32
+    summation rounding.
     """
     chunk = inputs[0].numel() // topology.world_size
     mine = [x[rank * chunk:(rank + 1) * chunk].float() for x in inputs]
     exact = torch.stack(mine).double().sum(0)
     bound = torch.zeros(chunk, dtype=torch.float64)
+    local_index, my_node = rank % topology.ranks_per_node, rank // topology.ranks_per_node
     for node in range(topology.num_nodes):
         ranks = topology.node_ranks(node)
         partial = sum(mine[r].double() for r in ranks)
-        if topology.ranks_per_node > 1:
-            e1 = sum(_segment_bound(mine[r], bits_intra, segments).double() for r in ranks)
-        else:
-            e1 = torch.zeros(chunk, dtype=torch.float64)
-        if topology.num_nodes > 1:
+        e1 = torch.zeros(chunk, dtype=torch.float64)
+        for r in ranks:
+            if r != ranks[local_index]:  # the receiver's own rows are not quantized
+                e1 += _segment_bound(mine[r], bits_intra, segments).double()
+        if node != my_node:
             qmax = 2 ** (bits_inter - 1) - 1
             absmax = _blockwise_max(partial.abs() + e1, segments)
             e2 = absmax / qmax / 2
@@ -145,6 +148,30 @@ def test_hierarchical_reduce_scatter_within_bound(world_size: int) -> None:
             else:
                 assert r["mean_of_ones"] == pytest.approx([1.0] * 100, abs=1e-6), r["layout"]
                 assert r["sum_of_ones"] == pytest.approx([float(world_size)] * 100, rel=1e-6)
+
+
+def _own_rows_worker(rank: int, world_size: int, num_nodes: int) -> bool:
+    topology = Topology(num_nodes=num_nodes, ranks_per_node=world_size // num_nodes)
+    groups = build_process_groups(topology)
+    comm = HierarchicalQuantizedReduceScatter(groups, [world_size * 100], bits_intra=4, bits_inter=4,
+                                              block_size=BLOCK, error_feedback=True)
+    # Every rank sends zeros, except for the chunk it owns: no row that travels carries anything.
+    gradient = torch.zeros(world_size, 100)
+    gradient[rank] = torch.randn(100, generator=torch.Generator().manual_seed(rank))
+    out = torch.empty(100)
+    results = []
+    for _ in range(2):  # the second call adds error feedback's residuals: zero for kept rows
+        comm(out, gradient.view(-1).clone(), groups.mesh.get_group(), dist.ReduceOp.SUM)
+        results.append(torch.equal(out, gradient[rank]))
+    return all(results)
+
+
+@pytest.mark.parametrize("num_nodes", [1, 2, 4])
+def test_qgz_keeps_a_ranks_own_rows_exact(num_nodes: int) -> None:
+    """A rank's own share never travels, so it is summed unquantized: with every travelling row
+    zero (quantized exactly), each rank's output equals its own chunk bit for bit. Quantizing
+    the own rows too (DeepSpeed's way) would round them to 4 bits."""
+    assert run_distributed(_own_rows_worker, 4, num_nodes) == [True] * 4
 
 
 def _train_qgz_worker(rank: int, world_size: int, steps: int) -> dict:
