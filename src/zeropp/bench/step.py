@@ -62,28 +62,39 @@ def deepspeed_status(modes: Sequence[str], param_dtype: str) -> str:
     return "installed but not among the modes asked for; not measured"
 
 
+def ledger_totals(ledger: list[dict[str, Any]] | None) -> dict[str, int | None]:
+    """A mode's per-step ledger bytes over all ranks: cross-node (backend figure and direct
+    sends) and intra-node (backend figure); all None for a peer system, whose collectives
+    bypass the ledger."""
+    if ledger is None:
+        return dict.fromkeys(("cross_node_backend", "cross_node_direct", "intra_node_backend"))
+    total = {count: sum(r["total"][count] for r in ledger)
+             for count in ("backend_cross_node_bytes", "cross_node_bytes", "backend_bytes")}
+    return {"cross_node_backend": total["backend_cross_node_bytes"],
+            "cross_node_direct": total["cross_node_bytes"],
+            "intra_node_backend": total["backend_bytes"] - total["backend_cross_node_bytes"]}
+
+
 def mode_rows(record: dict[str, Any], bandwidth: str, memory: dict[str, dict[str, Any]] | None
               ) -> list[dict[str, Any]]:
     """One result row per mode of a job at ``bandwidth``: time, ratio, bytes, memory."""
     baseline = record["modes"]["fsdp"]["median_step_s"] if "fsdp" in record["modes"] else None
     rows = []
     for mode, result in record["modes"].items():
-        ledger = result["ledger_per_step"]  # None for a peer system: its comms bypass the ledger
-        total = (lambda count: sum(r["total"][count] for r in ledger)) if ledger is not None else (lambda count: None)
+        ledger = ledger_totals(result["ledger_per_step"])
         rss = memory[mode]["peak_rss_mb"] if memory else record["peak_rss_mb"]
         rows.append({
             "mode": mode,
             "bandwidth": bandwidth,
             "median_step_s": result["median_step_s"],
             "ratio_vs_fsdp": result["median_step_s"] / baseline if baseline else None,
-            "cross_node_bytes_ledger": total("backend_cross_node_bytes"),
-            "cross_node_bytes_direct": total("cross_node_bytes"),
+            "cross_node_bytes_ledger": ledger["cross_node_backend"],
+            "cross_node_bytes_direct": ledger["cross_node_direct"],
             "cross_node_bytes_wire": result["wire_per_step"]["cross_node_bytes"],
             "peak_rss_mb": max(rss),
             "peak_rss_mb_per_rank": rss,
             "peak_rss_source": "own job (1 step, unlimited)" if memory else "the job of all modes",
-            "intra_node_bytes_ledger": (total("backend_bytes") - total("backend_cross_node_bytes")
-                                        if ledger is not None else None),
+            "intra_node_bytes_ledger": ledger["intra_node_backend"],
             "intra_node_bytes_wire": result["wire_per_step"]["intra_node_bytes"],
             "secondary_copy_bytes": max(result["secondary_copy_bytes"]),
             "step_times_s": result["step_times_s"],
