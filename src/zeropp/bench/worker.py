@@ -13,11 +13,14 @@ emulated cluster) what the inter-node links and every node's loopback carried, p
 is per process: it belongs to a mode only when the job runs one mode.
 
 [Note: timed window]
-Each timed step runs in a window: all ranks meet (a small all-gather), rank 0 reads the link
-counters and each node's first rank its loopback counter, the ledger is cleared, the step runs, and
-the ranks meet and read again. Start-up (rendezvous, building the models, warm-up) and the
-meetings' own bytes (a few hundred per window) are left out, so the counter deltas are the bytes of
-that one training step. A rank's step time is its own forward-to-optimizer time; the step's time
+Each timed step runs in a window: all ranks meet (a barrier), rank 0 reads the link counters
+and each node's first rank its loopback counter, the readings are gathered, the ledger is cleared,
+the step runs, and the ranks meet and read again. The barrier comes before the reading: a rank
+finishes its step when its own receives are done, while two other ranks may still be sending to
+each other; once every rank has entered the barrier, every byte of the step has been received, so
+none of it spills into the next window (which belongs to another mode). Start-up (rendezvous,
+building the models, warm-up) is left out and the meetings' own bytes are a few hundred per
+window, so the counter deltas are the bytes of that one training step. A rank's step time is its own forward-to-optimizer time; the step's time
 is the slowest rank's.
 """
 
@@ -269,8 +272,13 @@ class Window:
         self.links: dict[str, int] = defaultdict(int)
         self.loopback: dict[str, int] = defaultdict(int)
 
+    def read(self) -> list[Any]:
+        """Every rank's counter reading, taken once all ranks have met (see [Note: timed window])."""
+        dist.barrier()
+        return gather_json(read_counters(self.topology) if self.wire else None)
+
     def open(self) -> list[Any]:
-        before = gather_json(read_counters(self.topology) if self.wire else None)
+        before = self.read()
         zeropp.comm_ledger().reset()
         return before
 
@@ -279,7 +287,7 @@ class Window:
             key = tuple(row[k] for k in ("phase", "op", "kind", "group_size", "dtype", "technique"))
             for count in COUNTS:
                 self.ledger_rows[key][count] += row[count]
-        after = gather_json(read_counters(self.topology) if self.wire else None)
+        after = self.read()
         if self.wire:
             for node, sent in after[0]["links"].items():
                 self.links[node] += sent - before[0]["links"][node]
