@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.utils import CheckpointException
 import zeropp
 from distributed import run_distributed
 from models import global_batch, make_model, rows
-from zeropp import checkpoint
+from zeropp import checkpoint, checkpoint_tools
 from zeropp.checkpoint import CheckpointError
 
 TWO_BY_TWO = {"ZEROPP_RANKS_PER_NODE": "2"}
@@ -384,8 +384,8 @@ def test_forged_checkpoint_never_runs_code(four_ranks: tuple[Path, list[dict]], 
     evil_entry = _forge(source, tmp_path / "evil_entry", metadata, {"__evil.distcp": payload.getvalue()})
     checkpoint.verify(evil_entry)  # structurally valid: the defence is in how entries are read
     with pytest.raises(CheckpointException, match="Weights only load failed"):  # a BaseException
-        _load_state_dict({}, storage_reader=checkpoint._SafeReader(evil_entry),
-                         planner=checkpoint._SafeEmptyStateDictLoadPlanner(), no_dist=True)
+        _load_state_dict({}, storage_reader=checkpoint.SafeReader(evil_entry),
+                         planner=checkpoint.SafeEmptyStateDictLoadPlanner(), no_dist=True)
     assert not marker.exists()
     _load_state_dict({}, storage_reader=FileSystemReader(evil_entry), planner=_EmptyStateDictLoadPlanner(),
                      no_dist=True)
@@ -400,18 +400,18 @@ def test_consolidate_and_inspect_offline(four_ranks: tuple[Path, list[dict]], tm
     from safetensors.torch import load_file
 
     root, results = four_ranks
-    out = checkpoint.consolidate(root / "zeropp", tmp_path / "model.safetensors")
+    out = checkpoint_tools.consolidate(root / "zeropp", tmp_path / "model.safetensors")
     tensors = load_file(str(out))
     expected = results[0]["zeropp_params"]
     assert set(expected) <= set(tensors)
     assert all(torch.equal(tensors[name], value) for name, value in expected.items())
 
-    report = checkpoint.inspect(root / "zeropp")
+    report = checkpoint_tools.inspect(root / "zeropp")
     assert report["saved_world_size"] == 4 and report["engine"]["global_steps"] == 2
     assert report["entries"]["model.embed.weight"]["shape"] == list(expected["embed.weight"].shape)
 
     parser = argparse.ArgumentParser()
-    checkpoint.add_commands(parser.add_subparsers(dest="command", required=True))
+    checkpoint_tools.add_commands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["checkpoint", "inspect", str(root / "plain")])
     assert args.func(args) == 0
     printed = capsys.readouterr().out
@@ -420,7 +420,7 @@ def test_consolidate_and_inspect_offline(four_ranks: tuple[Path, list[dict]], tm
                               "--tag", "global_step3"])
     assert args.func(args) == 0 and (tmp_path / "b.safetensors").is_file()
     with pytest.raises(CheckpointError, match="latest is missing"):
-        checkpoint.consolidate(tmp_path / "nowhere", tmp_path / "c.safetensors")
+        checkpoint_tools.consolidate(tmp_path / "nowhere", tmp_path / "c.safetensors")
 
 
 def _torchrun(ckpt: Path, out: Path, kill_at: int) -> subprocess.Popen:

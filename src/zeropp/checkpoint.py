@@ -39,7 +39,6 @@ missing file is refused with its name before DCP reads anything.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import io
 import json
@@ -57,9 +56,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.utils import CheckpointException
 
 from zeropp.comms import all_gather_strings
@@ -116,7 +114,7 @@ def read_dcp_metadata(path: Path) -> Metadata:
     return metadata
 
 
-class _SafeReader(FileSystemReader):
+class SafeReader(FileSystemReader):
     """DCP's file reader with ``.metadata`` read through the allow-list unpickler."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -138,11 +136,11 @@ def _load_bytes_weights_only(planner: DefaultLoadPlanner, read_item: Any, value:
         planner.state_dict[read_item.dest_index.fqn] = obj
 
 
-class _SafeLoadPlanner(DefaultLoadPlanner):
+class SafeLoadPlanner(DefaultLoadPlanner):
     load_bytes = _load_bytes_weights_only
 
 
-class _SafeEmptyStateDictLoadPlanner(_EmptyStateDictLoadPlanner):
+class SafeEmptyStateDictLoadPlanner(_EmptyStateDictLoadPlanner):
     load_bytes = _load_bytes_weights_only
 
 
@@ -437,7 +435,7 @@ def load(directory: str | os.PathLike[str], tag: str | None, *, model: nn.Module
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     try:
-        dcp.load(state, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner())
+        dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
     except CheckpointException as error:
         failures = _dcp_failures(error)
         raise CheckpointError(f"{path}: DCP failed to load it into this model and optimizer (a "
@@ -450,90 +448,3 @@ def load(directory: str | os.PathLike[str], tag: str | None, *, model: nn.Module
     if rank_file.name in manifest.files:
         rank_state = json.loads(rank_file.read_text(encoding="utf-8"))
     return Loaded(path, manifest.engine, rank_state, manifest.world_size)
-
-
-# ---------------------------------------------------------------------------------------------
-# Offline: inspect and consolidate, no process group
-
-
-def _require(directory: str | os.PathLike[str], tag: str | None) -> Path:
-    path = resolve(directory, tag)
-    if path is None:
-        raise CheckpointError(f"{Path(directory) / LATEST} is missing and no tag was given: "
-                              "no checkpoint to read")
-    return path
-
-
-def inspect(directory: str | os.PathLike[str], tag: str | None = None) -> dict[str, Any]:
-    """What a checkpoint holds: engine state, saved world size, and every model and optimizer
-    entry with its shape and dtype (or "bytes" for a non-tensor entry). Verifies it first."""
-    path = _require(directory, tag)
-    manifest = verify(path)
-    metadata = read_dcp_metadata(path)
-    entries = {}
-    for key, item in sorted(metadata.state_dict_metadata.items()):
-        if isinstance(item, TensorStorageMetadata):
-            dtype = str(item.properties.dtype).removeprefix("torch.")
-            entries[key] = {"shape": list(item.size), "dtype": dtype}
-        else:
-            entries[key] = "bytes"
-    return {"path": str(path), "saved_world_size": manifest.world_size, "engine": manifest.engine,
-            "total_bytes": sum(f["bytes"] for f in manifest.files.values()), "entries": entries}
-
-
-def consolidate(directory: str | os.PathLike[str], out: str | os.PathLike[str],
-                tag: str | None = None) -> Path:
-    """Write the model's full parameters and buffers from a checkpoint into one safetensors file
-    (no process group needed; the whole model is loaded into this process's memory)."""
-    try:
-        from safetensors.torch import save_file
-    except ImportError as error:
-        raise RuntimeError("consolidate writes safetensors: pip install safetensors") from error
-    path = _require(directory, tag)
-    manifest = verify(path)
-    state: dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=_SafeReader(path),
-                     planner=_SafeEmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
-    tensors = {name: tensor.contiguous() for name, tensor in state["model"].items()
-               if isinstance(tensor, torch.Tensor)}
-    out = Path(out)
-    temporary = out.with_name(out.name + ".partial")
-    save_file(tensors, str(temporary), metadata={
-        "format": "pt", "zeropp_checkpoint": str(path),
-        "global_steps": str(manifest.engine.get("global_steps", ""))})
-    os.replace(temporary, out)
-    return out
-
-
-def _inspect_command(args: argparse.Namespace) -> int:
-    report = inspect(args.dir, args.tag)
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return 0
-    engine = report["engine"]
-    print(f"{report['path']}: saved by {report['saved_world_size']} rank(s), "
-          f"{report['total_bytes'] / 1e6:.3f} MB, global step {engine.get('global_steps')}")
-    for key, entry in report["entries"].items():
-        print(f"  {key:<60} {'bytes' if entry == 'bytes' else entry['dtype'] + ' ' + str(entry['shape'])}")
-    return 0
-
-
-def _consolidate_command(args: argparse.Namespace) -> int:
-    print(consolidate(args.dir, args.out, args.tag))
-    return 0
-
-
-def add_commands(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``checkpoint inspect`` and ``checkpoint consolidate`` on the ``zeropp`` command."""
-    checkpoint = subparsers.add_parser("checkpoint", help="inspect or consolidate a zeropp checkpoint")
-    actions = checkpoint.add_subparsers(dest="checkpoint_command", required=True)
-    show = actions.add_parser("inspect", help="list what a checkpoint holds (verifies it first)")
-    show.add_argument("dir", help="checkpoint directory (holding 'latest') or one tag's directory")
-    show.add_argument("--tag", default=None)
-    show.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    show.set_defaults(func=_inspect_command)
-    merge = actions.add_parser("consolidate", help="write the full model as one safetensors file")
-    merge.add_argument("dir", help="checkpoint directory (holding 'latest') or one tag's directory")
-    merge.add_argument("out", help="output .safetensors file")
-    merge.add_argument("--tag", default=None)
-    merge.set_defaults(func=_consolidate_command)

@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="step: dtype of compute and weight gathers (float32 on CPUs without fast bf16)")
     bench.set_defaults(func=_bench)
     from zeropp.bench import converge, finetune
-    from zeropp.checkpoint import add_commands as add_checkpoint_commands
+    from zeropp.checkpoint_tools import add_commands as add_checkpoint_commands
     from zeropp.cluster.cli import add_commands as add_cluster_commands
 
     for name, module, text in [("converge", converge, "loss curves of every mode on Shakespeare"),

@@ -22,16 +22,11 @@ for gloo, 10 min for NCCL), so a dead or hung rank surfaces as an error.
 
 from __future__ import annotations
 
-import base64
-import dataclasses
 import datetime
 import logging
 import os
-import random
-import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,98 +42,17 @@ from zeropp.comms import (
     global_grad_norm_and_overflow,
     set_collective_timeout,
 )
-from zeropp.config import DeepSpeedConfig, TrainingConfig, parse_deepspeed
+from zeropp.config import DeepSpeedConfig, parse_deepspeed
 from zeropp.ledger import comm_ledger
+from zeropp.loss_scaler import LossScaler
 from zeropp.lr_schedules import build_scheduler
+from zeropp.rng import rng_state, set_rng_state
 from zeropp.shard import UnitSpec, shard
 from zeropp.topology import Topology
 
 logger = logging.getLogger("zeropp")
 
 TIMEOUT_ENV = "ZEROPP_TIMEOUT_S"
-
-
-@dataclass(kw_only=True)
-class LossScaler:
-    """fp16 loss scaling with DeepSpeed's rules: on overflow the scale halves (not below
-    ``min_scale``) once ``hysteresis`` overflows have been absorbed; after ``window`` steps
-    without overflow it doubles. A static scaler (``dynamic=False``) never changes."""
-
-    scale: float
-    dynamic: bool = True
-    window: int = 1000
-    hysteresis: int = 2
-    min_scale: float = 1.0
-    hysteresis_left: int = 2
-    iteration: int = 0
-    last_overflow_iteration: int = -1
-
-    @classmethod
-    def from_config(cls, training: TrainingConfig) -> LossScaler:
-        if training.loss_scale > 0:
-            return cls(scale=training.loss_scale, dynamic=False)
-        return cls(scale=2.0 ** training.initial_scale_power, window=training.loss_scale_window,
-                   hysteresis=training.hysteresis, hysteresis_left=training.hysteresis,
-                   min_scale=training.min_loss_scale)
-
-    def update(self, overflow: bool) -> None:
-        """Account for one optimizer step (DeepSpeed's ``DynamicLossScaler.update_scale``)."""
-        if not self.dynamic:
-            return
-        if overflow:
-            if self.hysteresis == 1 or self.hysteresis_left == 1:
-                self.scale = max(self.scale / 2, self.min_scale)
-            else:
-                self.hysteresis_left -= 1
-            self.last_overflow_iteration = self.iteration
-        elif (self.iteration - self.last_overflow_iteration) % self.window == 0:
-            self.hysteresis_left = self.hysteresis
-            self.scale *= 2
-        self.iteration += 1
-
-    def state_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for name, value in state.items():
-            setattr(self, name, value)
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's random generators (torch CPU, CUDA if initialised, Python, NumPy if
-    imported) as JSON."""
-    state: dict[str, Any] = {"torch_cpu": _b64(torch.get_rng_state()), "python": _jsonable(random.getstate())}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["torch_cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
-    if "numpy" in sys.modules:
-        name, keys, pos, has_gauss, cached = sys.modules["numpy"].random.get_state()
-        state["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what ``rng_state`` returned."""
-    torch.set_rng_state(_unb64(state["torch_cpu"]))
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "torch_cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([_unb64(s) for s in state["torch_cuda"]])
-    if "numpy" in state and "numpy" in sys.modules:
-        np = sys.modules["numpy"]
-        name, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-
-
-def _b64(tensor: torch.Tensor) -> str:
-    return base64.b64encode(tensor.cpu().numpy().tobytes()).decode("ascii")
-
-
-def _unb64(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
-
-
-def _jsonable(value: Any) -> Any:
-    return [_jsonable(v) for v in value] if isinstance(value, tuple) else value
 
 
 def qgz_comms(model: nn.Module) -> list[HierarchicalQuantizedReduceScatter]:
