@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import logging
 import os
 import pickle
 import random
@@ -169,7 +170,26 @@ def _four_rank_run(rank: int, world_size: int, root: str) -> dict:
     with_zeropp.save_checkpoint(root_path / "zeropp")
     out["zeropp_params"] = _full_params(with_zeropp)
     out["zeropp_optimizer"] = _full_optimizer(with_zeropp)
+    out["load_warnings"] = {name: _load_warnings(_engine(0, zero), root_path / "zeropp")
+                            for name, zero in (("plain", {}), ("error_feedback", ZEROPP_EF))}
     return _pack(out)
+
+
+ZEROPP_EF = {**ZEROPP_ON, "zeropp": {"error_feedback": True}}
+
+
+def _load_warnings(engine: zeropp.ZeroPPEngine, directory: Path) -> list[str]:
+    """What zeropp's logger warns while ``engine`` loads ``directory``."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("zeropp")
+    logger.addHandler(handler)
+    try:
+        engine.load_checkpoint(directory)
+    finally:
+        logger.removeHandler(handler)
+    return [record.getMessage() for record in records]
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +214,16 @@ def test_round_trip_on_four_ranks_restores_everything(four_ranks: tuple[Path, li
         assert trip["rng"] == r["rng_after_save"]
         assert trip["params"] == [] and trip["optimizer"] == [], f"rank {rank}"
     assert len(results[0]["saved_optimizer"]) > 10  # exp_avg, exp_avg_sq, step per parameter
+
+
+def test_load_says_error_feedback_restarts_from_zero(four_ranks: tuple[Path, list[dict]]) -> None:
+    """qgZ's error-feedback residuals are not in checkpoints: loading into an engine that uses
+    them says so (the resumed run is not bit-identical); loading without them says nothing."""
+    _, results = four_ranks
+    for r in results:
+        assert r["load_warnings"]["plain"] == []
+        [warning] = r["load_warnings"]["error_feedback"]
+        assert "error-feedback residuals are not saved" in warning and "global_step2" in warning
 
 
 def test_crash_during_save_keeps_previous_checkpoint(four_ranks: tuple[Path, list[dict]]) -> None:

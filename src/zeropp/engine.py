@@ -259,8 +259,14 @@ class ZeroPPEngine:
         else:
             logger.warning("zeropp: %s was saved by %d ranks; rank %d keeps its current RNG state",
                            loaded.path, loaded.saved_world_size, dist.get_rank())
-        for comm in qgz_comms(self.module):
-            comm.reset_error_feedback()  # residuals are not saved; start them afresh
+        with_feedback = [comm for comm in qgz_comms(self.module) if comm.error_feedback]
+        for comm in with_feedback:
+            comm.reset_error_feedback()
+        if with_feedback:
+            logger.warning("zeropp: qgZ error-feedback residuals are not saved in checkpoints (each "
+                           "rank's is as large as the unsharded gradient in fp32); they restart from "
+                           "zero, so training resumed from %s is not bit-identical to an uninterrupted "
+                           "run", loaded.path)
         self.optimizer.zero_grad(set_to_none=True)
         return loaded.path, state["client_state"]
 
