@@ -35,6 +35,7 @@ from zeropp.checkpoint import CheckpointError
 TWO_BY_TWO = {"ZEROPP_RANKS_PER_NODE": "2"}
 GLOBAL_BATCH = 8
 ZEROPP_ON = {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}
+ZEROPP_EF = {**ZEROPP_ON, "zeropp": {"error_feedback": True}}
 
 
 def _config(zero: dict) -> dict:
@@ -174,8 +175,6 @@ def _four_rank_run(rank: int, world_size: int, root: str) -> dict:
                             for name, zero in (("plain", {}), ("error_feedback", ZEROPP_EF))}
     return _pack(out)
 
-
-ZEROPP_EF = {**ZEROPP_ON, "zeropp": {"error_feedback": True}}
 
 
 def _load_warnings(engine: zeropp.ZeroPPEngine, directory: Path) -> list[str]:

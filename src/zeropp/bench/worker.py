@@ -13,15 +13,15 @@ emulated cluster) what the inter-node links and every node's loopback carried, p
 is per process: it belongs to a mode only when the job runs one mode.
 
 [Note: timed window]
-Each timed step runs in a window: all ranks meet (a barrier), rank 0 reads the link counters
-and each node's first rank its loopback counter, the readings are gathered, the ledger is cleared,
+Each timed step runs in a window: all ranks meet (a barrier), rank 0 reads the link counters and
+each node's first rank its loopback counter, the readings are gathered, the ledger is cleared,
 the step runs, and the ranks meet and read again. The barrier comes before the reading: a rank
 finishes its step when its own receives are done, while two other ranks may still be sending to
-each other; once every rank has entered the barrier, every byte of the step has been received, so
-none of it spills into the next window (which belongs to another mode). Start-up (rendezvous,
+each other; once every rank has entered the barrier, every byte of the step has been received,
+so none of it spills into the next window (which belongs to another mode). Start-up (rendezvous,
 building the models, warm-up) is left out and the meetings' own bytes are a few hundred per
-window, so the counter deltas are the bytes of that one training step. A rank's step time is its own forward-to-optimizer time; the step's time
-is the slowest rank's.
+window, so the counter deltas are the bytes of that one training step. A rank's step time is its
+own forward-to-optimizer time; the step's time is the slowest rank's.
 """
 
 from __future__ import annotations
