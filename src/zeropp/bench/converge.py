@@ -257,13 +257,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-reference", action="store_true", help="skip the single-process run")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--runs", default="runs/converge", help="per-mode run directories")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="initial weights and data order (default 0; another seed shows the spread)")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     """``zeropp converge``: ``run`` with the parsed options."""
     run(args.out, steps=args.steps, modes=[m for m in args.modes.split(",") if m],
         eval_every=args.eval_every, eval_batches=args.eval_batches, num_nodes=args.nodes,
-        ranks_per_node=args.ranks_per_node, reference=not args.no_reference, runs_dir=args.runs)
+        ranks_per_node=args.ranks_per_node, reference=not args.no_reference, runs_dir=args.runs,
+        seed=args.seed)
     return 0
 
 
