@@ -40,8 +40,8 @@ from zeropp.demo import MODES, DemoConfig
 from zeropp.models import GPT, GPTConfig
 
 DEFAULT_MODES = ("zero3", "qwz", "hpz", "qgz", "qgz_ef", "all", "all_ef", "qgz_int8_intra", "all_int8_intra")
-"""ZeRO-3 first: the others are compared with it. The last two are the recommended qgZ setting
-(``grad_bits_intra=8``): INT4 on the cross-node hop only."""
+"""ZeRO-3 first: the others are compared with it. The last two are the qgZ alternative
+``grad_bits_intra=8``: INT8 on the fast intra-node hop, INT4 on the cross-node hop only."""
 DIAGNOSIS_MODES: dict[str, zeropp.ZeroPPConfig] = {
     "qgz_int8": zeropp.ZeroPPConfig(quantized_gradients=True, grad_bits_intra=8, grad_bits_inter=8),
     "qgz_int8_intra": zeropp.ZeroPPConfig(quantized_gradients=True, grad_bits_intra=8, grad_bits_inter=4),
