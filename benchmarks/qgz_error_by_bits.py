@@ -10,8 +10,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from distributed import run_distributed  # noqa: E402
-
-from zeropp.comms import HierarchicalQuantizedReduceScatter  # noqa: E402
+from zeropp.qgz import HierarchicalQuantizedReduceScatter  # noqa: E402
 from zeropp.topology import Topology, build_process_groups  # noqa: E402
 
 CHUNK = 65536

@@ -4,7 +4,6 @@ rank resumed by torchrun."""
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import logging
@@ -31,6 +30,7 @@ from distributed import run_distributed
 from models import global_batch, make_model, rows
 from zeropp import checkpoint, checkpoint_tools
 from zeropp.checkpoint import CheckpointError
+from zeropp.cli import build_parser
 
 TWO_BY_TWO = {"ZEROPP_RANKS_PER_NODE": "2"}
 GLOBAL_BATCH = 8
@@ -199,6 +199,7 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dic
     return root, _unpack(run_distributed(_four_rank_run, 4, str(root), env=TWO_BY_TWO, timeout=300))
 
 
+@pytest.mark.slow
 def test_round_trip_on_four_ranks_restores_everything(four_ranks: tuple[Path, list[dict]]) -> None:
     """A fresh engine with other weights loads the step-2 checkpoint: parameters and AdamW state
     bit-identical to the saved ones, steps, schedule, client state and every rank's RNG
@@ -215,6 +216,7 @@ def test_round_trip_on_four_ranks_restores_everything(four_ranks: tuple[Path, li
     assert len(results[0]["saved_optimizer"]) > 10  # exp_avg, exp_avg_sq, step per parameter
 
 
+@pytest.mark.slow
 def test_load_says_error_feedback_restarts_from_zero(four_ranks: tuple[Path, list[dict]]) -> None:
     """qgZ's error-feedback residuals are not in checkpoints: loading into an engine that uses
     them says so (the resumed run is not bit-identical); loading without them says nothing."""
@@ -225,6 +227,7 @@ def test_load_says_error_feedback_restarts_from_zero(four_ranks: tuple[Path, lis
         assert "error-feedback residuals are not saved" in warning and "global_step2" in warning
 
 
+@pytest.mark.slow
 def test_crash_during_save_keeps_previous_checkpoint(four_ranks: tuple[Path, list[dict]]) -> None:
     """Rank 1's writer fails after writing its files: every rank raises CheckpointError (none
     hangs), the staging directory is gone, ``latest`` still names step 2. Rank 0 failing just
@@ -393,6 +396,7 @@ def _forge(source: Path, target: Path, metadata: object, extra: dict[str, bytes]
     return target
 
 
+@pytest.mark.slow
 def test_forged_checkpoint_never_runs_code(four_ranks: tuple[Path, list[dict]], tmp_path: Path) -> None:
     """A forged .metadata that is a pickle calling os.system, and a forged non-tensor entry (the
     optimizer's param_groups) holding the same: zeropp refuses both without running them.
@@ -421,6 +425,7 @@ def test_forged_checkpoint_never_runs_code(four_ranks: tuple[Path, list[dict]], 
     assert marker.exists(), "stock DCP did not run the payload: the test proves nothing"
 
 
+@pytest.mark.slow
 def test_consolidate_and_inspect_offline(four_ranks: tuple[Path, list[dict]], tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     """Without a process group: ``consolidate`` writes the ZeRO++ run's full parameters to one
@@ -439,8 +444,7 @@ def test_consolidate_and_inspect_offline(four_ranks: tuple[Path, list[dict]], tm
     assert report["saved_world_size"] == 4 and report["engine"]["global_steps"] == 2
     assert report["entries"]["model.embed.weight"]["shape"] == list(expected["embed.weight"].shape)
 
-    parser = argparse.ArgumentParser()
-    checkpoint_tools.add_commands(parser.add_subparsers(dest="command", required=True))
+    parser = build_parser(["checkpoint"])
     args = parser.parse_args(["checkpoint", "inspect", str(root / "plain")])
     assert args.func(args) == 0
     printed = capsys.readouterr().out
@@ -461,6 +465,7 @@ def _torchrun(ckpt: Path, out: Path, kill_at: int) -> subprocess.Popen:
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.slow
 def test_sigkilled_rank_resumes_exactly_under_torchrun(tmp_path: Path) -> None:
     """tests/resume_job.py on 2 ranks (qwZ, AdamW, WarmupLR, clipping, dropout), checkpointing
     every 2 steps: rank 1 SIGKILLs itself after step 5, torchrun (--max-restarts 1) restarts both

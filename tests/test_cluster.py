@@ -15,7 +15,7 @@ import pytest
 
 from zeropp.cluster import Cluster, ClusterError, check_support, launch, parse_bandwidth
 from zeropp.cluster.launch import script_arguments
-from zeropp.cluster.netns import list_namespaces, node_address
+from zeropp.cluster.netns import CLUSTER_LOCK, list_namespaces, node_address
 
 NUMEL = 64 * 1024
 """fp32 elements each rank contributes to the all-gather (256 KiB: far above the control traffic)."""
@@ -62,7 +62,7 @@ def namespaces() -> Iterator[None]:
     reason = check_support()
     if reason is not None:
         pytest.skip(reason)
-    with open("/tmp/zeropp-cluster-test.lock", "w") as lock:
+    with open(CLUSTER_LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if list_namespaces():
             pytest.skip(f"namespaces {list_namespaces()} exist: another cluster is up (zeropp cluster down)")
@@ -125,6 +125,7 @@ dist.all_reduce(torch.ones(1))  # the others wait for rank 3 until they are stop
 """
 
 
+@pytest.mark.slow
 def test_crashed_rank_fails_the_launch_and_tears_down(namespaces: None, tmp_path: Path) -> None:
     script = tmp_path / "crash_rank3.py"
     script.write_text(textwrap.dedent(CRASH))

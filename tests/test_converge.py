@@ -21,6 +21,7 @@ def results(tmp_path_factory):
     return out_dir, json.loads((out_dir / "converge.json").read_text())
 
 
+@pytest.mark.slow
 def test_json_has_every_mode_with_curves_and_deltas(results) -> None:
     out_dir, written = results
     assert written["settings"]["steps"] == STEPS and written["settings"]["num_nodes"] == 2
@@ -38,6 +39,7 @@ def test_json_has_every_mode_with_curves_and_deltas(results) -> None:
     assert (out_dir / "converge.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_first_loss_matches_single_process_reference(results) -> None:
     """Step 1's loss is computed from the initial weights, which every run shares: the 4 ranks'
     mean of 4 row-block means equals the reference's mean up to fp32 rounding (~1e-7 relative)."""
@@ -47,6 +49,7 @@ def test_first_loss_matches_single_process_reference(results) -> None:
         assert written["modes"][mode]["train_loss"][0] == pytest.approx(reference, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_rerun_skips_finished_modes(results, monkeypatch) -> None:
     out_dir, written = results
 

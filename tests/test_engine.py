@@ -112,6 +112,7 @@ def _engine_vs_plain_loop(rank: int, world_size: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_engine_equals_plain_fsdp2_loop_with_accumulation_and_clipping() -> None:
     """5 AdamW steps, 2 micro-batches each, clipping to 0.05, WarmupDecayLR: the engine against
     plain FSDP2 (reduce-scatter every micro-step, ``clip_grad_norm_`` on DTensor gradients, lr
@@ -202,6 +203,7 @@ def _bf16_step_equals_plain_loop(rank: int, world_size: int) -> bool:
         torch.equal(p.full_tensor(), r.full_tensor()) for p, r in zip(model.parameters(), reference.parameters()))
 
 
+@pytest.mark.slow
 def test_fp16_overflow_skips_step_lowers_scale_and_resets_error_feedback() -> None:
     """2**8 initial scale, hysteresis 2, window 2. Step 2: an inf loss on rank 1 (non-finite
     gradients reach rank 0 through qgZ); step 3: an inf in rank 1's gradient shard only (rank
@@ -362,6 +364,7 @@ def _hung_peer(rank: int, world_size: int, timeout_s: float) -> dict:
     return {"error": None}
 
 
+@pytest.mark.slow
 def test_hung_peer_surfaces_as_error_within_timeout() -> None:
     """Rank 1 stops taking part; rank 0's first collective raises after ``timeout_s`` = 2 s
     instead of the backend's 30-minute default (slack: 15 s on a loaded 2-core machine)."""

@@ -6,14 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
 import zeropp
 from distributed import run_distributed
-from models import CONTEXT, VOCAB, global_batch, make_model, reference_copy, rows
-from torch.distributed.fsdp import FSDPModule
-
-from zeropp.shard import check_hpz, secondary_copy_bytes, unit_parameters
+from models import VOCAB, global_batch, make_model, reference_copy, rows
+from zeropp._fsdp import unit_layout
+from zeropp.hpz import check_hpz, secondary_copy_bytes
 from zeropp.topology import Topology
 
 TWO_BY_TWO = {"ZEROPP_RANKS_PER_NODE": "2"}
@@ -107,12 +107,13 @@ def _hpz_vs_zero3_worker(rank: int, world_size: int, kind: str, steps: int) -> d
                       "backward_gathers": ledger.summary(phase="backward", op="all_gather")}
     errors = [_max_rel(h, z) for h, z in zip(runs["hpz"]["params"], runs["zero3"]["params"])]
     padded = sum(n for m in model.modules() if isinstance(m, FSDPModule)
-                 for n in unit_parameters(m).padded_numels)
+                 for n in unit_layout(m).padded_numels)
     return {"errors": errors, "zero3": runs["zero3"]["ledger"], "hpz": runs["hpz"]["ledger"],
             "secondary": (runs["zero3"]["secondary"], runs["hpz"]["secondary"]), "padded_numel": padded,
             "hpz_backward_gathers": runs["hpz"]["backward_gathers"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpt", "probe_once", "probe_ac", "probe"])
 def test_hpz_matches_zero3_and_keeps_backward_gathers_inside_nodes(kind: str) -> None:
     """fp32, 2x2, hpZ=2: parameters equal ZeRO-3's within 1e-6 relative after every one of 10
@@ -193,6 +194,7 @@ def _state_changes_worker(rank: int, world_size: int) -> dict:
     return checks
 
 
+@pytest.mark.slow
 def test_hpz_never_uses_stale_weights() -> None:
     """An eval forward, an optimizer step, load_state_dict, a forward without backward and an
     in-place update between steps: every later backward's gradients (and every eval loss) equal

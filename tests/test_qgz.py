@@ -11,7 +11,7 @@ import torch.distributed as dist
 import zeropp
 from distributed import run_distributed
 from models import train_on_corpus
-from zeropp.comms import HierarchicalQuantizedReduceScatter, intra_node_send_order
+from zeropp.qgz import HierarchicalQuantizedReduceScatter, intra_node_send_order
 from zeropp.quant import error_bound, quantize
 from zeropp.topology import Topology, build_process_groups
 
@@ -136,7 +136,7 @@ def _qgz_worker(rank: int, world_size: int) -> list[dict]:
     return results
 
 
-@pytest.mark.parametrize("world_size", sorted(LAYOUTS))
+@pytest.mark.parametrize("world_size", [pytest.param(w, marks=[pytest.mark.slow] * (w > 4)) for w in sorted(LAYOUTS)])
 def test_hierarchical_reduce_scatter_within_bound(world_size: int) -> None:
     """Against the exact fp32 mean for layouts 1x4, 4x1, 2x2, 2x3, 3x2, 2x4, INT4/INT4 and
     INT8/INT4, fp32 and bf16: every element within the two-hop bound of reference_and_bound."""
@@ -173,7 +173,8 @@ def _own_rows_worker(rank: int, world_size: int, num_nodes: int) -> bool:
     return all(results)
 
 
-@pytest.mark.parametrize("num_nodes", [1, 2, 4])
+@pytest.mark.parametrize("num_nodes", [pytest.param(1, marks=pytest.mark.slow), 2,
+                                       pytest.param(4, marks=pytest.mark.slow)])
 def test_qgz_keeps_a_ranks_own_rows_exact(num_nodes: int) -> None:
     """A rank's own share never travels, so it is summed unquantized: with every travelling row
     zero (quantized exactly), each rank's output equals its own chunk bit for bit. Quantizing
@@ -189,6 +190,7 @@ def _train_qgz_worker(rank: int, world_size: int, steps: int) -> dict:
     return {name: train_on_corpus(config, steps, rank, world_size) for name, config in modes.items()}
 
 
+@pytest.mark.slow
 def test_qgz_trains_like_zero3_with_a_quarter_of_the_cross_node_bytes() -> None:
     """2x2, GPT on Shakespeare, 200 steps, bf16: final validation loss within 2% of ZeRO-3's
     (1% with error feedback); cross-node gradient bytes <= 0.27x ZeRO-3's bf16 reduce-scatter

@@ -11,7 +11,7 @@ from torch import nn
 import zeropp
 from distributed import run_distributed
 from models import global_batch, make_model, reference_copy, rows, train_steps
-from zeropp.shard import default_units, select_units
+from zeropp.sharding import default_units, select_units
 
 GLOBAL_BATCH = 8
 TWO_BY_TWO = {"ZEROPP_RANKS_PER_NODE": "2"}
@@ -74,7 +74,8 @@ def _train_against_reference(rank: int, world_size: int, kind: str, micro_steps:
             "ledger": zeropp.comm_ledger().summary()}
 
 
-@pytest.mark.parametrize("kind,micro_steps", [("gpt", 1), ("gpt", 2), ("tied", 2)])
+@pytest.mark.parametrize("kind,micro_steps", [("gpt", 1), pytest.param("gpt", 2, marks=pytest.mark.slow),
+                                              pytest.param("tied", 2, marks=pytest.mark.slow)])
 def test_fp32_training_equals_single_process(kind: str, micro_steps: int) -> None:
     """fp32: parameters equal single-process training on the same global batch within 1e-5
     relative (per tensor, ||p - p_ref|| / ||p_ref||) after every one of 5 steps. The only
@@ -87,6 +88,7 @@ def test_fp32_training_equals_single_process(kind: str, micro_steps: int) -> Non
         assert r["moved"] >= 100 * 1e-5, "parameters barely moved, so the comparison proves little"
 
 
+@pytest.mark.slow
 def test_bf16_mixed_precision_tracks_fp32() -> None:
     """bf16 parameters with fp32 gradient reduction against the fp32 single-process run.
 

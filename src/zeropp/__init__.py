@@ -2,13 +2,33 @@
 
     model = zeropp.shard(model, zeropp.ZeroPPConfig(quantized_weights=True, hpz_partition_size=8,
                                                     quantized_gradients=True))
+
+The public names are imported on first use, so ``import zeropp`` (and the ``zeropp`` command's
+``--help``) does not import torch.
 """
 
-from zeropp.config import ZeroPPConfig
-from zeropp.engine import ZeroPPEngine, initialize
-from zeropp.ledger import CommLedger, comm_ledger
-from zeropp.shard import shard
-from zeropp.topology import Topology
+from __future__ import annotations
 
-__all__ = ["CommLedger", "Topology", "ZeroPPConfig", "ZeroPPEngine", "comm_ledger", "initialize", "shard"]
+import importlib
+from typing import Any
+
+_PUBLIC = {
+    "CommLedger": "zeropp.ledger",
+    "Topology": "zeropp.topology",
+    "ZeroPPConfig": "zeropp.config",
+    "ZeroPPEngine": "zeropp.engine",
+    "comm_ledger": "zeropp.ledger",
+    "initialize": "zeropp.engine",
+    "shard": "zeropp.sharding",
+    "sharded_comms": "zeropp.sharding",
+}
+__all__ = sorted(_PUBLIC)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'zeropp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value
+    return value

@@ -55,11 +55,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.utils import CheckpointException
 
+from zeropp._fsdp import EmptyStateDictLoadPlanner, set_element
 from zeropp.comms import all_gather_strings
 
 FORMAT = "zeropp-checkpoint"
@@ -129,8 +130,6 @@ def _load_bytes_weights_only(planner: DefaultLoadPlanner, read_item: Any, value:
     """``DefaultLoadPlanner.load_bytes`` with ``weights_only=True`` (plain containers and numbers)."""
     obj = torch.load(value, weights_only=True)
     if planner.flatten_state_dict:
-        from torch.distributed.checkpoint._nested_dict import set_element
-
         set_element(planner.original_state_dict, planner.mappings[read_item.dest_index.fqn], obj)
     else:
         planner.state_dict[read_item.dest_index.fqn] = obj
@@ -140,7 +139,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     load_bytes = _load_bytes_weights_only
 
 
-class SafeEmptyStateDictLoadPlanner(_EmptyStateDictLoadPlanner):
+class SafeEmptyStateDictLoadPlanner(EmptyStateDictLoadPlanner):
     load_bytes = _load_bytes_weights_only
 
 

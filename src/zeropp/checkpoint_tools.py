@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+from zeropp._fsdp import load_state_dict_into
 from zeropp.checkpoint import (
     LATEST,
     CheckpointError,
@@ -61,7 +61,7 @@ def consolidate(directory: str | os.PathLike[str], out: str | os.PathLike[str],
     path = _require(directory, tag)
     manifest = verify(path)
     state: dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=SafeReader(path),
+    load_state_dict_into(state, storage_reader=SafeReader(path),
                      planner=SafeEmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
     tensors = {name: tensor.contiguous() for name, tensor in state["model"].items()
                if isinstance(tensor, torch.Tensor)}
@@ -92,10 +92,9 @@ def _consolidate_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_commands(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``checkpoint inspect`` and ``checkpoint consolidate`` on the ``zeropp`` command."""
-    checkpoint = subparsers.add_parser("checkpoint", help="inspect or consolidate a zeropp checkpoint")
-    actions = checkpoint.add_subparsers(dest="checkpoint_command", required=True)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``zeropp checkpoint inspect | consolidate``."""
+    actions = parser.add_subparsers(dest="checkpoint_command", required=True)
     show = actions.add_parser("inspect", help="list what a checkpoint holds (verifies it first)")
     show.add_argument("dir", help="checkpoint directory (holding 'latest') or one tag's directory")
     show.add_argument("--tag", default=None)

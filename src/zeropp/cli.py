@@ -1,101 +1,58 @@
-"""The ``zeropp`` command."""
+"""The ``zeropp`` command.
+
+Every subcommand is registered the same way: a name, the module that implements it, the
+function there that adds its options (and sets ``func``, what runs it), and one line of help.
+A subcommand's module is imported only when that subcommand is chosen, so ``zeropp --help``
+lists them without importing torch.
+"""
 
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
+import importlib
 import sys
-import time
-from pathlib import Path
+from typing import NamedTuple
 
 
-def launch_local(module: str, module_args: list[str], num_nodes: int, ranks_per_node: int) -> int:
-    """Run ``python -m module`` on num_nodes x ranks_per_node local processes through torchrun,
-    declaring the layout with ZEROPP_RANKS_PER_NODE (one machine standing in for several)."""
-    env = {**os.environ, "ZEROPP_RANKS_PER_NODE": str(ranks_per_node), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={num_nodes * ranks_per_node}", "-m", module, *module_args]
-    return subprocess.call(command, env=env)
+class Command(NamedTuple):
+    module: str
+    add_arguments: str
+    help: str
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from zeropp.demo import MODES, compare
-
-    modes = args.modes.split(",")
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        print(f"zeropp demo: unknown mode(s) {unknown}; choose from {sorted(MODES)}", file=sys.stderr)
-        return 2
-    run_dir = Path(args.runs) / time.strftime("%Y%m%d-%H%M%S")
-    for mode in modes:
-        module_args = ["--run-dir", str(run_dir / mode), "--mode", mode, "--steps", str(args.steps)]
-        print(f"\nzeropp demo: {args.nodes} nodes x {args.ranks_per_node} ranks (local processes), "
-              f"mode {mode}, {args.steps} steps -> {run_dir / mode}", flush=True)
-        code = launch_local("zeropp.demo", module_args, args.nodes, args.ranks_per_node)
-        if code:
-            return code
-    print("\n" + compare(run_dir, modes))
-    print(f"\nloss curves: {run_dir / 'loss.png'}")
-    return 0
+COMMANDS: dict[str, Command] = {
+    "demo": Command("zeropp.demo", "add_arguments",
+                    "train the demo GPT on Shakespeare on local ranks, ZeRO-3 beside ZeRO++"),
+    "bench": Command("zeropp.bench.cli", "add_arguments", "benchmarks that print a table and write JSON"),
+    "converge": Command("zeropp.bench.converge", "add_arguments", "loss curves of every mode on Shakespeare"),
+    "finetune": Command("zeropp.bench.finetune", "add_arguments",
+                        "fine-tune SmolLM2-135M under ZeRO-3 and ZeRO++"),
+    "checkpoint": Command("zeropp.checkpoint_tools", "add_arguments",
+                          "inspect or consolidate a zeropp checkpoint"),
+    "cluster": Command("zeropp.cluster.cli", "add_cluster_arguments",
+                       "the emulated cluster: network namespaces + tc"),
+    "launch": Command("zeropp.cluster.cli", "add_launch_arguments",
+                      "run a torchrun job with one torchrun per emulated node"),
+}
 
 
-def _bench(args: argparse.Namespace) -> int:
-    if args.what == "quant":
-        from zeropp.bench import quant
-
-        quant.run(out_dir=args.out)
-    elif args.what == "comm":
-        from zeropp.bench import comm
-
-        comm.run(out_dir=args.out, quick=args.quick, **({"modes": args.modes} if args.modes else {}))
-    else:
-        from zeropp.bench import step
-
-        step.run(out_dir=args.out, quick=args.quick, modes=args.modes, param_dtype=args.param_dtype,
-                 **({"bandwidths": args.bandwidths} if args.bandwidths else {}))
-    return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from zeropp.demo import MODES
-
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """The parser, with the options of the subcommand ``argv`` names (if any) filled in."""
     parser = argparse.ArgumentParser(prog="zeropp", description="ZeRO++ on PyTorch FSDP2")
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="train the demo GPT on Shakespeare on local ranks")
-    demo.add_argument("--modes", default="zero3,all",
-                      help=f"comma-separated, from {sorted(MODES)} (default: ZeRO-3 and all three ZeRO++)")
-    demo.add_argument("--steps", type=int, default=300)
-    demo.add_argument("--nodes", type=int, default=2, help="emulated nodes (default 2)")
-    demo.add_argument("--ranks-per-node", type=int, default=2)
-    demo.add_argument("--runs", default="runs", help="parent folder of the run directory")
-    demo.set_defaults(func=_demo)
-    bench = sub.add_parser("bench", help="benchmarks that print a table and write JSON")
-    bench.add_argument("what", choices=["quant", "comm", "step"])
-    bench.add_argument("--out", default="benchmarks/results")
-    bench.add_argument("--quick", action="store_true", help="comm/step: a tiny model, one step (smoke run)")
-    bench.add_argument("--modes", type=lambda text: tuple(text.split(",")), default=None,
-                       help="comm/step: comma-separated worker modes (default: all of them; step adds "
-                            "'deepspeed' when DeepSpeed is installed)")
-    bench.add_argument("--bandwidths", type=lambda text: tuple(text.split(",")), default=None,
-                       help="step: comma-separated inter-node rates (default: unlimited,1gbit,100mbit)")
-    bench.add_argument("--param-dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                       help="step: dtype of compute and weight gathers (float32 on CPUs without fast bf16)")
-    bench.set_defaults(func=_bench)
-    from zeropp.bench import converge, finetune
-    from zeropp.checkpoint_tools import add_commands as add_checkpoint_commands
-    from zeropp.cluster.cli import add_commands as add_cluster_commands
-
-    for name, module, text in [("converge", converge, "loss curves of every mode on Shakespeare"),
-                               ("finetune", finetune, "fine-tune SmolLM2-135M under ZeRO-3 and ZeRO++")]:
-        command = sub.add_parser(name, help=text)
-        module.add_arguments(command)
-        command.set_defaults(func=module.run_from_args)
-    add_cluster_commands(sub)
-    add_checkpoint_commands(sub)
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
+    for name, command in COMMANDS.items():
+        sub = subparsers.add_parser(name, help=command.help, description=command.help)
+        if name == chosen:
+            getattr(importlib.import_module(command.module), command.add_arguments)(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     sys.exit(args.func(args))
+
+
+if __name__ == "__main__":
+    main()

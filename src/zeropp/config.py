@@ -14,8 +14,9 @@ import logging
 import os
 import pathlib
 import reprlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, NoReturn
+from typing import Any, NoReturn
 
 import torch
 
@@ -116,7 +117,7 @@ _ZEROPP_CHECKS: dict[str, Checker] = {
 
 @dataclass(frozen=True, kw_only=True)
 class ZeroPPConfig:
-    """Which ZeRO++ techniques to apply on top of FSDP2, and how (DESIGN.md: qwZ, hpZ, qgZ)."""
+    """Which ZeRO++ techniques to apply on top of FSDP2, and how (docs/design.md: qwZ, hpZ, qgZ)."""
 
     quantized_weights: bool = False
     """qwZ: block-quantize the forward weight all-gather (DeepSpeed zero_quantized_weights)."""

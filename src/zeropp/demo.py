@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,21 +18,11 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import zeropp
+from zeropp.cluster.launch import launch_local
 from zeropp.comms import all_reduce_mean
 from zeropp.data import CharCorpus
 from zeropp.models import GPT, GPTConfig
-
-MODES: dict[str, zeropp.ZeroPPConfig] = {
-    "zero3": zeropp.ZeroPPConfig(),
-    "qwz": zeropp.ZeroPPConfig(quantized_weights=True),
-    "qgz": zeropp.ZeroPPConfig(quantized_gradients=True),
-    "qgz_ef": zeropp.ZeroPPConfig(quantized_gradients=True, error_feedback=True),
-    "hpz": zeropp.ZeroPPConfig(hpz_partition_size=2),
-    "all": zeropp.ZeroPPConfig(quantized_weights=True, hpz_partition_size=2, quantized_gradients=True),
-    "all_ef": zeropp.ZeroPPConfig(quantized_weights=True, hpz_partition_size=2, quantized_gradients=True,
-                                  error_feedback=True),
-}
-"""Demo modes by name: plain ZeRO-3 (FSDP2); the ZeRO++ issues add theirs."""
+from zeropp.modes import MODES, check_modes, parse_modes, zeropp_modes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,7 +30,7 @@ class DemoConfig:
     """One demo run. Defaults train in a few minutes on 4 CPU ranks."""
 
     mode: str = "zero3"
-    """Key of ``MODES``."""
+    """A mode of ``zeropp.modes`` that zeropp trains (``zeropp_modes()``)."""
     steps: int = 300
     """Optimizer steps."""
     batch_size: int = 32
@@ -62,8 +51,7 @@ class DemoConfig:
 
 def train(config: DemoConfig, run_dir: Path) -> list[dict]:
     """Train on this rank; returns the metric records (rank 0 also writes them)."""
-    if config.mode not in MODES:
-        raise ValueError(f"mode={config.mode!r} is not one of {sorted(MODES)}")
+    check_modes([config.mode], zeropp_modes())
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if config.batch_size % world_size:
         raise ValueError(f"batch_size={config.batch_size} must be a multiple of the world size {world_size}")
@@ -73,7 +61,7 @@ def train(config: DemoConfig, run_dir: Path) -> list[dict]:
                           num_layers=config.num_layers, num_heads=config.num_heads,
                           embed_dim=config.embed_dim))
     topology = zeropp.Topology.from_env()
-    zeropp.shard(model, MODES[config.mode], topology=topology)
+    zeropp.shard(model, MODES[config.mode].config(topology.ranks_per_node), topology=topology)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, config.steps, eta_min=config.lr / 10)
     local = slice(rank * config.batch_size // world_size, (rank + 1) * config.batch_size // world_size)
@@ -162,7 +150,35 @@ def compare(run_dir: Path, modes: list[str]) -> str:
     return "\n".join(lines)
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``zeropp demo``'s options: which modes, how long, on how many local ranks."""
+    parser.add_argument("--modes", type=lambda text: parse_modes(text, zeropp_modes()), default=("zero3", "all"),
+                        help=f"comma-separated, from {', '.join(zeropp_modes())} (default: ZeRO-3 and all three "
+                             "ZeRO++ techniques)")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--nodes", type=int, default=2, help="emulated nodes (default 2)")
+    parser.add_argument("--ranks-per-node", type=int, default=2)
+    parser.add_argument("--runs", default="runs", help="parent folder of the run directory")
+    parser.set_defaults(func=run_from_args)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """``zeropp demo``: one torchrun job per mode on local ranks, then the side-by-side table."""
+    run_dir = Path(args.runs) / time.strftime("%Y%m%d-%H%M%S")
+    for mode in args.modes:
+        module_args = ["--run-dir", str(run_dir / mode), "--mode", mode, "--steps", str(args.steps)]
+        print(f"\nzeropp demo: {args.nodes} nodes x {args.ranks_per_node} ranks (local processes), "
+              f"mode {mode}, {args.steps} steps -> {run_dir / mode}", flush=True)
+        code = launch_local("zeropp.demo", module_args, args.nodes, args.ranks_per_node)
+        if code:
+            return code
+    print("\n" + compare(run_dir, list(args.modes)))
+    print(f"\nloss curves: {run_dir / 'loss.png'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
+    """One rank of a demo run (``zeropp demo`` launches it under torchrun)."""
     parser = argparse.ArgumentParser(description="zeropp demo training job (run under torchrun)")
     parser.add_argument("--run-dir", type=Path, required=True)
     for name, default in asdict(DemoConfig()).items():

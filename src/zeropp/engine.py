@@ -9,11 +9,11 @@ A DeepSpeed user keeps their config file and their loop::
 ``engine.step()`` is called after every micro-batch and steps the optimizer only at the
 gradient-accumulation boundary, as DeepSpeed's does. Between boundaries FSDP2 keeps the
 unsharded gradients locally (``set_requires_gradient_sync(False)``) and the boundary's
-backward reduce-scatters their sum once, so accumulation costs no extra communication (the price:
-each unit keeps its unsharded gradient in memory between micro-steps). At a boundary: one all-reduce gives the global gradient
-norm and whether any rank saw a non-finite element; fp16 skips the step on overflow (and resets
-qgZ's error feedback), otherwise gradients are unscaled and clipped, the optimizer and the
-schedule step.
+backward reduce-scatters their sum once, so accumulation costs no extra communication (the
+price: each unit keeps its unsharded gradient in memory between micro-steps). At a boundary: one
+all-reduce gives the global gradient norm and whether any rank saw a non-finite element; fp16
+skips the step on overflow (and resets qgZ's error feedback), otherwise gradients are unscaled
+and clipped, the optimizer and the schedule step.
 
 Timeouts: ``timeout_s`` (argument) or the environment variable ``ZEROPP_TIMEOUT_S`` sets how long
 any collective of this process waits for a peer before raising (default: the backend's, 30 min
@@ -37,17 +37,15 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from zeropp import checkpoint
-from zeropp.comms import (
-    HierarchicalQuantizedReduceScatter,
-    global_grad_norm_and_overflow,
-    set_collective_timeout,
-)
+from zeropp._fsdp import set_process_group_timeouts
+from zeropp.comms import global_grad_norm_and_overflow
 from zeropp.config import DeepSpeedConfig, parse_deepspeed
 from zeropp.ledger import comm_ledger
 from zeropp.loss_scaler import LossScaler
 from zeropp.lr_schedules import build_scheduler
+from zeropp.qgz import HierarchicalQuantizedReduceScatter
 from zeropp.rng import rng_state, set_rng_state
-from zeropp.shard import UnitSpec, shard
+from zeropp.sharding import UnitSpec, shard, sharded_comms
 from zeropp.topology import Topology
 
 logger = logging.getLogger("zeropp")
@@ -57,14 +55,7 @@ TIMEOUT_ENV = "ZEROPP_TIMEOUT_S"
 
 def qgz_comms(model: nn.Module) -> list[HierarchicalQuantizedReduceScatter]:
     """The qgZ reduce-scatter comm of every sharded unit of ``model`` that has one."""
-    comms = []
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            group = module._get_fsdp_state()._fsdp_param_group
-            comm = group._reduce_scatter_comm if group is not None else None
-            if isinstance(comm, HierarchicalQuantizedReduceScatter):
-                comms.append(comm)
-    return comms
+    return sharded_comms(model).qgz
 
 
 class ZeroPPEngine:
@@ -149,7 +140,8 @@ class ZeroPPEngine:
         else:
             factor = self._gradient_factor()
             if factor != 1.0:
-                torch._foreach_mul_(grads, factor)
+                for grad in grads:
+                    grad.mul_(factor)
             self.optimizer.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
@@ -307,7 +299,7 @@ def initialize(*, model: nn.Module, config: dict[str, Any] | str | os.PathLike[s
     if not isinstance(model, FSDPModule):
         shard(model, parsed.zeropp, topology=topology, units=units)
     if timeout_s is not None:
-        set_collective_timeout(timeout_s)
+        set_process_group_timeouts(timeout_s)
     sharded = dict(model.named_parameters())
     groups = [{**group, "params": [sharded[name] for name in group["params"]]} for group in groups]
     optimizer = _build_optimizer(parsed, optimizer, groups, name_of, sharded)

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from zeropp._fsdp import in_backward
 from zeropp.topology import Topology
 
 
@@ -125,7 +126,7 @@ class _Totals:
 
 def current_phase() -> str:
     """"backward" while autograd runs a backward pass (FSDP's backward gathers), else "forward"."""
-    return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+    return "backward" if in_backward() else "forward"
 
 
 class CommLedger:

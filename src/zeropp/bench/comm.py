@@ -40,21 +40,19 @@ from typing import Any
 import torch
 
 from zeropp.bench.quant import _machine as machine_info
-from zeropp.bench.worker import MODES, WorkerConfig
+from zeropp.bench.worker import BENCH_MODES, WorkerConfig
 from zeropp.cluster import Cluster, ClusterError, LaunchResult, launch
-from zeropp.cluster.netns import list_namespaces
+from zeropp.cluster.netns import CLUSTER_LOCK, list_namespaces
 
 NUM_NODES, RANKS_PER_NODE = 2, 2
 FRAME_OVERHEAD = 1514 / 1448
 """Wire bytes per payload byte on the inter-node links: a full TCP segment in an Ethernet frame."""
-CLUSTER_LOCK = Path("/tmp/zeropp-cluster-test.lock")
-"""The lock the cluster tests hold: one emulated cluster at a time on this machine."""
 QUICK_MODEL = {"num_layers": 2, "embed_dim": 128, "num_heads": 4}
 """A 0.43M-parameter GPT for smoke runs (``quick``)."""
 
 
 @contextmanager
-def cluster_session(num_nodes: int, bandwidth: str | None, wait_s: float = 900.0) -> Iterator[Cluster]:
+def exclusive_cluster(num_nodes: int, bandwidth: str | None, wait_s: float = 900.0) -> Iterator[Cluster]:
     """A cluster of our own for the block, removed after it. Waits (up to ``wait_s``) while another
     cluster is up; holds ``CLUSTER_LOCK`` only while building, so cluster tests that start meanwhile
     skip ("another cluster is up") instead of waiting for a whole benchmark."""
@@ -120,7 +118,7 @@ def run_each_mode(modes: Sequence[str], config: WorkerConfig, bandwidth: str | N
     """Train every mode in a job of its own on a fresh 2 x 2 cluster; per mode: the worker's
     record plus the job's peak RSS per rank and the launcher's whole-run link bytes."""
     records = {}
-    with cluster_session(NUM_NODES, bandwidth):
+    with exclusive_cluster(NUM_NODES, bandwidth):
         for mode in modes:
             record, result = launch_worker(
                 replace(config, modes=(mode,)), NUM_NODES, RANKS_PER_NODE)
@@ -150,7 +148,7 @@ def format_table(rows: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def run(out_dir: str = "benchmarks/results", modes: Sequence[str] = MODES, steps: int = 2,
+def run(out_dir: str = "benchmarks/results", modes: Sequence[str] = BENCH_MODES, steps: int = 2,
         warmup_steps: int = 1, quick: bool = False) -> dict[str, Any]:
     """Measure every mode's per-step bytes, print the table and write ``bench_comm.json``.
 

@@ -2,7 +2,7 @@
 
 The paper (§5) claims on-par accuracy with INT8 weights and INT4 gradients but shows no
 numbers for the separate techniques. This harness trains the demo's char-level GPT on the
-Shakespeare corpus once per mode of ``zeropp.demo.MODES`` on ``num_nodes x ranks_per_node``
+Shakespeare corpus once per mode of ``zeropp.modes`` on ``num_nodes x ranks_per_node``
 local ranks, every run with the same seed, the same initial weights and the same batches, and
 once more in a single process without zeropp (plain PyTorch on the same global batches): the
 reference that plain ZeRO-3 must match up to fp32 summation order.
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,30 +31,18 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-import zeropp
-from zeropp import demo
-from zeropp.cli import launch_local
+from zeropp.cluster.launch import launch_local
 from zeropp.data import CharCorpus
-from zeropp.demo import MODES, DemoConfig
+from zeropp.demo import DemoConfig
 from zeropp.models import GPT, GPTConfig
+from zeropp.modes import BASELINE, MODES, check_modes, parse_modes, zeropp_modes
 
 DEFAULT_MODES = ("zero3", "qwz", "hpz", "qgz", "qgz_ef", "all", "all_ef", "qgz_int8_intra", "all_int8_intra")
 """ZeRO-3 first: the others are compared with it. The last two are the qgZ alternative
-``grad_bits_intra=8``: INT8 on the fast intra-node hop, INT4 on the cross-node hop only."""
-DIAGNOSIS_MODES: dict[str, zeropp.ZeroPPConfig] = {
-    "qgz_int8": zeropp.ZeroPPConfig(quantized_gradients=True, grad_bits_intra=8, grad_bits_inter=8),
-    "qgz_int8_intra": zeropp.ZeroPPConfig(quantized_gradients=True, grad_bits_intra=8, grad_bits_inter=4),
-    "qgz_block32": zeropp.ZeroPPConfig(quantized_gradients=True, block_size=32),
-    "all_int8_intra": zeropp.ZeroPPConfig(quantized_weights=True, hpz_partition_size=2, quantized_gradients=True,
-                                          grad_bits_intra=8, grad_bits_inter=4),
-}
-"""qgZ variants beyond the demo's modes, to find what a gap to ZeRO-3 comes from: bits on both
-hops, on the intra-node hop only, a smaller block; and all three techniques with INT8 on the
-intra-node hop (the cross-node hop, the one qgZ exists for, stays INT4)."""
-ALL_MODES = {**MODES, **DIAGNOSIS_MODES}
+``grad_bits_intra=8``: INT8 on the fast intra-node hop, INT4 on the cross-node hop only. Any
+mode of ``zeropp.modes.zeropp_modes()`` can be asked for (``qgz_int8``, ``qgz_block32``, ...)."""
 REFERENCE = "reference"
 """Name of the single-process run (no zeropp, no torch.distributed) in the results."""
-BASELINE = "zero3"
 TRAINING = {"batch_size": 64, "lr": 1e-3}
 """Changes to the demo's defaults: its lr 3e-3 (no warm-up) sits on the unigram plateau (val loss
 ~3.3) for 100+ steps; at 1e-3 and batch 64 the single-process run reached 2.16 in 400 steps
@@ -77,9 +64,7 @@ def run(out_dir: str | Path = "benchmarks/results", *, steps: int = STEPS,
     ``training`` overrides other ``DemoConfig`` fields (batch_size, num_layers, lr, seed, ...;
     ``TRAINING`` by default). Returns the results dict that was written.
     """
-    unknown = [m for m in modes if m not in ALL_MODES]
-    if unknown:
-        raise ValueError(f"modes={list(modes)} holds {unknown}, not among {sorted(ALL_MODES)}")
+    check_modes(modes, zeropp_modes())
     settings = DemoConfig(steps=steps, eval_every=eval_every, eval_batches=eval_batches,
                           **{**TRAINING, **training})
     out_path = Path(out_dir) / "converge.json"
@@ -93,7 +78,7 @@ def run(out_dir: str | Path = "benchmarks/results", *, steps: int = STEPS,
         records = (train_reference(settings) if name == REFERENCE else
                    _train_mode(dataclasses.replace(settings, mode=name), Path(runs_dir) / name,
                                num_nodes, ranks_per_node))
-        results["modes"][name] = summarize(name, records)
+        results["modes"][name] = summarize(name, records, ranks_per_node)
         _write_json(out_path, results)
     add_deltas(results["modes"])
     _write_json(out_path, results)
@@ -116,12 +101,11 @@ def _resumable_results(path: Path, settings: DemoConfig, num_nodes: int, ranks_p
 
 
 def _train_mode(config: DemoConfig, run_dir: Path, num_nodes: int, ranks_per_node: int) -> list[dict]:
-    """One ``zeropp.demo`` job under torchrun (through ``main --worker``, which knows the
-    diagnosis modes too); its per-step records."""
-    args = ["--worker", "--run-dir", str(run_dir)]
+    """One ``zeropp.demo`` job under torchrun; its per-step records."""
+    args = ["--run-dir", str(run_dir)]
     for name, value in dataclasses.asdict(config).items():
         args += [f"--{name.replace('_', '-')}", str(value)]
-    code = launch_local("zeropp.bench.converge", args, num_nodes, ranks_per_node)
+    code = launch_local("zeropp.demo", args, num_nodes, ranks_per_node)
     if code != 0:
         raise RuntimeError(f"mode {config.mode!r} failed (torchrun exit code {code}); "
                            f"its output is above, its run directory {run_dir}")
@@ -163,13 +147,13 @@ def _evaluate(model: GPT, corpus: CharCorpus, config: DemoConfig) -> float:
     return sum(losses) / len(losses)
 
 
-def summarize(name: str, records: list[dict]) -> dict[str, Any]:
+def summarize(name: str, records: list[dict], ranks_per_node: int) -> dict[str, Any]:
     """One mode's entry in converge.json: curves, final losses, time per step."""
     val = [[r["step"], r["val_loss"]] for r in records if "val_loss" in r]
     train = [r["loss"] for r in records]
     window = train[-TRAIN_LOSS_WINDOW:]
     return {
-        "zeropp_config": _config_dict(ALL_MODES[name]) if name in ALL_MODES else None,
+        "zeropp_config": _config_dict(MODES[name].config(ranks_per_node)) if name in MODES else None,
         "train_loss": train,
         "val_loss": val,
         "final_val_loss": val[-1][1],
@@ -249,7 +233,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``zeropp converge`` options."""
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
-                        help=f"comma-separated, among {', '.join(ALL_MODES)}")
+                        help=f"comma-separated, among {', '.join(zeropp_modes())}")
     parser.add_argument("--eval-every", type=int, default=50)
     parser.add_argument("--eval-batches", type=int, default=8)
     parser.add_argument("--nodes", type=int, default=2, help="emulated nodes (default 2)")
@@ -259,11 +243,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", default="runs/converge", help="per-mode run directories")
     parser.add_argument("--seed", type=int, default=0,
                         help="initial weights and data order (default 0; another seed shows the spread)")
+    parser.set_defaults(func=run_from_args)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     """``zeropp converge``: ``run`` with the parsed options."""
-    run(args.out, steps=args.steps, modes=[m for m in args.modes.split(",") if m],
+    run(args.out, steps=args.steps, modes=parse_modes(args.modes, zeropp_modes()),
         eval_every=args.eval_every, eval_batches=args.eval_batches, num_nodes=args.nodes,
         ranks_per_node=args.ranks_per_node, reference=not args.no_reference, runs_dir=args.runs,
         seed=args.seed)
@@ -271,13 +256,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m zeropp.bench.converge``: the command, or with ``--worker`` one rank of a
-    mode's training (the demo job, with the diagnosis modes added to its modes)."""
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--worker"]:
-        MODES.update(DIAGNOSIS_MODES)
-        demo.main(argv[1:])
-        return
+    """``python -m zeropp.bench.converge``: the command."""
     parser = argparse.ArgumentParser(prog="zeropp converge", description=__doc__.splitlines()[0])
     add_arguments(parser)
     raise SystemExit(run_from_args(parser.parse_args(argv)))

@@ -40,31 +40,37 @@ from torch import nn
 from tqdm import tqdm
 
 import zeropp
-from zeropp.cli import launch_local
+from zeropp.cluster.launch import launch_local
 from zeropp.comms import all_reduce_mean
 from zeropp.data.corpus import VALIDATION_FRACTION_PERCENT, _step_seed, shakespeare_text
+from zeropp.modes import MODES as SHARDING_MODES
+from zeropp.modes import check_modes, parse_modes
 
 
 @dataclasses.dataclass(frozen=True)
 class FinetuneMode:
     """One fine-tuning setting: what is sharded how, what trains, and what it is compared with."""
 
-    zeropp: zeropp.ZeroPPConfig
+    sharding: str
+    """The mode of ``zeropp.modes`` the model is sharded with."""
     lora: bool
     """Freeze the base model and train low-rank adapters only."""
     baseline: str
-    """The mode (plain ZeRO-3, same trainable parameters) whose final loss this one must match."""
+    """The fine-tuning mode (plain ZeRO-3, same trainable parameters) whose final loss this one
+    must match."""
+
+    def config(self, ranks_per_node: int, **overrides: Any) -> zeropp.ZeroPPConfig:
+        return SHARDING_MODES[self.sharding].config(ranks_per_node, **overrides)
 
 
-MODES: dict[str, FinetuneMode] = {
-    "zero3": FinetuneMode(zeropp.ZeroPPConfig(), lora=False, baseline="zero3"),
-    "all": FinetuneMode(zeropp.ZeroPPConfig(quantized_weights=True, hpz_partition_size=2,
-                                            quantized_gradients=True), lora=False, baseline="zero3"),
-    "lora_zero3": FinetuneMode(zeropp.ZeroPPConfig(), lora=True, baseline="lora_zero3"),
-    "lora_qnw": FinetuneMode(zeropp.ZeroPPConfig(quantized_nontrainable_weights=True), lora=True,
-                             baseline="lora_zero3"),
+FINETUNE_MODES: dict[str, FinetuneMode] = {
+    "zero3": FinetuneMode("zero3", lora=False, baseline="zero3"),
+    "all": FinetuneMode("all", lora=False, baseline="zero3"),
+    "lora_zero3": FinetuneMode("zero3", lora=True, baseline="lora_zero3"),
+    "lora_qnw": FinetuneMode("qnw", lora=True, baseline="lora_zero3"),
 }
-DEFAULT_MODES = tuple(MODES)
+"""Fine-tuning runs by name: a sharding mode, with or without LoRA (``lora_<mode>``)."""
+DEFAULT_MODES = tuple(FINETUNE_MODES)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,7 +78,7 @@ class FinetuneConfig:
     """One fine-tuning run (one mode) on every rank."""
 
     mode: str = "zero3"
-    """Key of ``MODES``."""
+    """Key of ``FINETUNE_MODES``."""
     steps: int = 20
     batch_size: int = 8
     """Global batch (sequences), split evenly over the ranks."""
@@ -137,15 +143,15 @@ def train(config: FinetuneConfig, data_dir: Path, run_dir: Path) -> list[dict]:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    mode = MODES[config.mode]
+    mode = FINETUNE_MODES[config.mode]
     model = _load_model(data_dir / "smollm2.pt")
     tokens = torch.load(data_dir / "tokens.pt")
     torch.manual_seed(config.seed)
     num_trainable = (add_lora(model, config.lora_rank, config.lora_alpha) if mode.lora
                      else sum(p.numel() for p in model.parameters()))
     topology = zeropp.Topology.from_env()
-    sharding = dataclasses.replace(mode.zeropp, param_dtype=getattr(torch, config.compute_dtype),
-                                   reduce_dtype=torch.float32)
+    sharding = mode.config(topology.ranks_per_node, param_dtype=getattr(torch, config.compute_dtype),
+                           reduce_dtype=torch.float32)
     zeropp.shard(model, sharding, topology=topology, units=[LlamaDecoderLayer])
     lr = config.lora_lr if mode.lora else config.lr
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
@@ -255,9 +261,7 @@ def run(out_dir: str | Path = "benchmarks/results", *, modes: Sequence[str] = DE
     """Fine-tune every mode not yet in ``<out_dir>/finetune.json``; write JSON, PNG and table.
 
     ``settings`` overrides ``FinetuneConfig`` fields (steps, batch_size, lr, ...)."""
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        raise ValueError(f"modes={list(modes)} holds {unknown}, not among {sorted(MODES)}")
+    check_modes(modes, FINETUNE_MODES)
     config = FinetuneConfig(**settings)
     runs_dir = Path(runs_dir)
     prepare(runs_dir)
@@ -275,7 +279,7 @@ def run(out_dir: str | Path = "benchmarks/results", *, modes: Sequence[str] = DE
             continue
         print(f"[{i + 1}/{len(modes)}] {name}: fine-tuning {config.steps} steps", flush=True)
         records = _train_mode(dataclasses.replace(config, mode=name), runs_dir, num_nodes, ranks_per_node)
-        results["modes"][name] = summarize(name, records)
+        results["modes"][name] = summarize(name, records, ranks_per_node)
         _write_json(out_path, results)
     add_deltas(results["modes"])
     _write_json(out_path, results)
@@ -330,14 +334,14 @@ def _check_logits(config: FinetuneConfig, runs_dir: Path, num_nodes: int, ranks_
     return merged
 
 
-def summarize(name: str, records: list[dict]) -> dict[str, Any]:
+def summarize(name: str, records: list[dict], ranks_per_node: int) -> dict[str, Any]:
     """One mode's entry in finetune.json."""
     steps = records[1:]
     val = [[r["step"], r["val_loss"]] for r in records if "val_loss" in r]
-    mode = MODES[name]
+    mode = FINETUNE_MODES[name]
     return {
         "zeropp_config": {k: str(v) if isinstance(v, torch.dtype) else v
-                          for k, v in dataclasses.asdict(mode.zeropp).items()},
+                          for k, v in dataclasses.asdict(mode.config(ranks_per_node)).items()},
         "lora": mode.lora,
         "baseline": mode.baseline,
         "num_trainable": records[0]["num_trainable"],
@@ -402,16 +406,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``zeropp finetune`` options."""
     defaults = FinetuneConfig()
     parser.add_argument("--steps", type=int, default=defaults.steps)
-    parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, among {', '.join(MODES)}")
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                        help=f"comma-separated, among {', '.join(FINETUNE_MODES)}")
     parser.add_argument("--nodes", type=int, default=2, help="emulated nodes (default 2)")
     parser.add_argument("--ranks-per-node", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--runs", default="runs/finetune", help="converted model, tokens, per-mode runs")
+    parser.set_defaults(func=run_from_args)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     """``zeropp finetune``: ``run`` with the parsed options."""
-    run(args.out, modes=[m for m in args.modes.split(",") if m], num_nodes=args.nodes,
+    run(args.out, modes=parse_modes(args.modes, FINETUNE_MODES), num_nodes=args.nodes,
         ranks_per_node=args.ranks_per_node, runs_dir=args.runs, steps=args.steps)
     return 0
 

@@ -28,12 +28,13 @@ from zeropp.bench.comm import (
     NUM_NODES,
     QUICK_MODEL,
     RANKS_PER_NODE,
-    cluster_session,
+    exclusive_cluster,
     launch_worker,
     machine_info,
     run_each_mode,
 )
-from zeropp.bench.worker import MODES, WorkerConfig
+from zeropp.bench.worker import BENCH_MODES, WorkerConfig
+from zeropp.modes import BASELINE
 
 BANDWIDTHS = ("unlimited", "1gbit", "100mbit")
 TIMED_STEPS = {"unlimited": 4, "1gbit": 4, "100mbit": 3}
@@ -53,7 +54,8 @@ def deepspeed_status(modes: Sequence[str], param_dtype: str) -> str:
 
         return (f"DeepSpeed {version('deepspeed')} ZeRO-3 (DS_ACCELERATOR=cpu, gloo), mode 'deepspeed': "
                 f"{param_dtype} gathers, fp32 gradient reduction, no clipping, its own defaults "
-                f"otherwise; its collectives bypass zeropp's ledger (wire bytes only). Its ZeRO++ (zero_quantized_weights, "
+                f"otherwise; its collectives bypass zeropp's ledger (wire bytes only). Its ZeRO++ "
+                f"(zero_quantized_weights, "
                 f"zero_hpz_partition_size, zero_quantized_gradients) needs CUDA quantizer kernels, "
                 f"so it is not run here")
     if not deepspeed_available():
@@ -78,7 +80,7 @@ def ledger_totals(ledger: list[dict[str, Any]] | None) -> dict[str, int | None]:
 def mode_rows(record: dict[str, Any], bandwidth: str, memory: dict[str, dict[str, Any]] | None
               ) -> list[dict[str, Any]]:
     """One result row per mode of a job at ``bandwidth``: time, ratio, bytes, memory."""
-    baseline = record["modes"]["fsdp"]["median_step_s"] if "fsdp" in record["modes"] else None
+    baseline = record["modes"][BASELINE]["median_step_s"] if BASELINE in record["modes"] else None
     rows = []
     for mode, result in record["modes"].items():
         ledger = ledger_totals(result["ledger_per_step"])
@@ -87,7 +89,7 @@ def mode_rows(record: dict[str, Any], bandwidth: str, memory: dict[str, dict[str
             "mode": mode,
             "bandwidth": bandwidth,
             "median_step_s": result["median_step_s"],
-            "ratio_vs_fsdp": result["median_step_s"] / baseline if baseline else None,
+            "ratio_vs_zero3": result["median_step_s"] / baseline if baseline else None,
             "cross_node_bytes_ledger": ledger["cross_node_backend"],
             "cross_node_bytes_direct": ledger["cross_node_direct"],
             "cross_node_bytes_wire": result["wire_per_step"]["cross_node_bytes"],
@@ -104,17 +106,17 @@ def mode_rows(record: dict[str, Any], bandwidth: str, memory: dict[str, dict[str
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'bandwidth':<10}{'mode':<10}{'median s':>9}{'x fsdp':>8}{'x-node MB ledger':>17}"
-            f"{'wire':>8}{'wire x fsdp':>12}{'peak RSS MB':>12}")
+    head = (f"{'bandwidth':<10}{'mode':<10}{'median s':>9}{'x zero3':>8}{'x-node MB ledger':>17}"
+            f"{'wire':>8}{'wire x zero3':>13}{'peak RSS MB':>12}")
     lines = ["per training step, all ranks together (wire: inter-node link frames)", head]
-    wire_fsdp = {r["bandwidth"]: r["cross_node_bytes_wire"] for r in rows if r["mode"] == "fsdp"}
+    wire_zero3 = {r["bandwidth"]: r["cross_node_bytes_wire"] for r in rows if r["mode"] == BASELINE}
     for r in rows:
-        ratio = f"{r['ratio_vs_fsdp']:.3f}" if r["ratio_vs_fsdp"] is not None else "n/a"
-        wire_ratio = r["cross_node_bytes_wire"] / wire_fsdp[r["bandwidth"]] if r["bandwidth"] in wire_fsdp else None
+        ratio = f"{r['ratio_vs_zero3']:.3f}" if r["ratio_vs_zero3"] is not None else "n/a"
+        wire_ratio = r["cross_node_bytes_wire"] / wire_zero3[r["bandwidth"]] if r["bandwidth"] in wire_zero3 else None
         ledger = f"{r['cross_node_bytes_ledger'] / 1e6:.1f}" if r["cross_node_bytes_ledger"] is not None else "n/a"
         lines.append(f"{r['bandwidth']:<10}{r['mode']:<10}{r['median_step_s']:>9.2f}{ratio:>8}"
                      f"{ledger:>17}{r['cross_node_bytes_wire'] / 1e6:>8.1f}"
-                     f"{wire_ratio if wire_ratio is not None else float('nan'):>12.3f}{r['peak_rss_mb']:>12.0f}")
+                     f"{wire_ratio if wire_ratio is not None else float('nan'):>13.3f}{r['peak_rss_mb']:>12.0f}")
     return "\n".join(lines)
 
 
@@ -132,7 +134,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for i, mode in enumerate(modes):
         xs = [b + (i - (len(modes) - 1) / 2) * width for b in range(len(bandwidths))]
-        ratios = [by_key[(bw, mode)]["ratio_vs_fsdp"] or 0 for bw in bandwidths]
+        ratios = [by_key[(bw, mode)]["ratio_vs_zero3"] or 0 for bw in bandwidths]
         wire = [by_key[(bw, mode)]["cross_node_bytes_wire"] / 1e6 for bw in bandwidths]
         left.bar(xs, ratios, width, label=mode, color=f"C{i}")
         right.bar(xs, wire, width, label=mode, color=f"C{i}")
@@ -156,7 +158,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 
 def default_modes() -> tuple[str, ...]:
     """Every worker mode, plus DeepSpeed ZeRO-3 where DeepSpeed is installed."""
-    return MODES + (("deepspeed",) if deepspeed_available() else ())
+    return BENCH_MODES + (("deepspeed",) if deepspeed_available() else ())
 
 
 def run(out_dir: str = "benchmarks/results", modes: Sequence[str] | None = None,
@@ -170,8 +172,8 @@ def run(out_dir: str = "benchmarks/results", modes: Sequence[str] | None = None,
     the CPU has no fast bf16 matmul: without AVX-512 BF16/AMX a bf16 step is compute-bound).
     """
     modes = default_modes() if modes is None else tuple(modes)
-    if "fsdp" not in modes:
-        raise ValueError(f"modes={list(modes)} must include 'fsdp', the baseline of every ratio")
+    if BASELINE not in modes:
+        raise ValueError(f"modes={list(modes)} must include 'zero3', the baseline of every ratio")
     base = WorkerConfig(modes=tuple(modes), warmup_steps=warmup_steps, wire=True, param_dtype=param_dtype,
                         **(QUICK_MODEL if quick else {}))
     started = time.perf_counter()
@@ -179,7 +181,7 @@ def run(out_dir: str = "benchmarks/results", modes: Sequence[str] | None = None,
     rows, jobs = [], {}
     for bandwidth in bandwidths:
         num_steps = 1 if quick else steps or TIMED_STEPS.get(bandwidth, 3)
-        with cluster_session(NUM_NODES, bandwidth):
+        with exclusive_cluster(NUM_NODES, bandwidth):
             record, result = launch_worker(replace(base, steps=num_steps), NUM_NODES, RANKS_PER_NODE)
         rows += mode_rows(record, bandwidth, memory)
         jobs[bandwidth] = {"elapsed_s": result.elapsed_s, "peak_rss_mb": record["peak_rss_mb"], "steps": num_steps}

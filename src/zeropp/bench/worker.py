@@ -2,7 +2,7 @@
 
 Run under torchrun (locally, or one torchrun per node through ``zeropp launch``)::
 
-    python -m zeropp.bench.worker --modes fsdp,all --out record.json [--wire]
+    python -m zeropp.bench.worker --modes zero3,all --out record.json [--wire]
 
 It builds the demo GPT once per mode (same initial weights), shards each copy the way its mode
 says, and trains them in turns: warm-up steps, then timed steps (forward, backward, AdamW) on
@@ -48,16 +48,15 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 import zeropp
 from zeropp.comms import CountingAllGather, CountingReduceScatter, all_gather_strings
 from zeropp.data import CharCorpus
+from zeropp.hpz import secondary_copy_bytes
 from zeropp.ledger import COUNTS, GroupInfo, Op
 from zeropp.models import GPT, GPTConfig
-from zeropp.shard import secondary_copy_bytes, select_units
+from zeropp.modes import MODES, System, check_modes
+from zeropp.sharding import select_units
 
-MODES = ("fsdp", "hsdp", "qwz", "hpz", "qgz", "all")
-"""``fsdp``: zeropp.shard without techniques (plain FSDP2, comms counted); ``hsdp``: FSDP2's own
-hybrid sharding (replicate across nodes, shard within); the rest: ZeRO++ techniques, alone or all."""
-PEER_MODES = ("deepspeed",)
-"""Other systems, trained on request: ``deepspeed`` is DeepSpeed ZeRO-3 (an optional dependency).
-Its collectives bypass zeropp's ledger, so only the wire counts its bytes."""
+BENCH_MODES = ("zero3", "hsdp", "qwz", "hpz", "qgz", "all")
+"""The modes ``zeropp bench comm|step`` train by default (names of ``zeropp.modes.MODES``, any
+of which the worker accepts): ZeRO-3, FSDP2's hybrid sharding, each ZeRO++ technique, all three."""
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -66,8 +65,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 class WorkerConfig:
     """One benchmark job. Defaults: a 25.3M-parameter GPT, bf16 compute and gathers, fp32 reduce."""
 
-    modes: tuple[str, ...] = MODES
-    """Modes to train, in turns (see ``MODES``)."""
+    modes: tuple[str, ...] = BENCH_MODES
+    """Modes to train, in turns (names of ``zeropp.modes.MODES``)."""
     warmup_steps: int = 1
     """Untimed steps per mode first (lazy initialisation, allocator warm-up)."""
     steps: int = 3
@@ -88,9 +87,7 @@ class WorkerConfig:
     """Read the emulated cluster's link counters and each node's loopback around every timed step."""
 
     def __post_init__(self) -> None:
-        unknown = [mode for mode in self.modes if mode not in MODES + PEER_MODES]
-        if not self.modes or unknown or len(set(self.modes)) != len(self.modes):
-            raise ValueError(f"modes={list(self.modes)} must be distinct names from {list(MODES + PEER_MODES)}")
+        check_modes(self.modes, MODES)
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {list(DTYPES)}")
@@ -107,19 +104,6 @@ class WorkerConfig:
             else:
                 args += [flag, ",".join(value) if isinstance(value, tuple) else str(value)]
         return args
-
-
-def zeropp_config(mode: str, topology: zeropp.Topology, mp: MixedPrecisionPolicy) -> zeropp.ZeroPPConfig:
-    """The ZeroPPConfig of a zeropp mode; hpZ shares the secondary copy across the whole node."""
-    techniques = {
-        "fsdp": {},
-        "qwz": {"quantized_weights": True},
-        "hpz": {"hpz_partition_size": topology.ranks_per_node},
-        "qgz": {"quantized_gradients": True},
-        "all": {"quantized_weights": True, "hpz_partition_size": topology.ranks_per_node,
-                "quantized_gradients": True},
-    }[mode]
-    return zeropp.ZeroPPConfig(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype, **techniques)
 
 
 def shard_hsdp(model: nn.Module, topology: zeropp.Topology, mp: MixedPrecisionPolicy) -> None:
@@ -157,10 +141,13 @@ def build_model(mode: str, config: WorkerConfig, vocab_size: int, topology: zero
                           num_layers=config.num_layers, num_heads=config.num_heads,
                           embed_dim=config.embed_dim))
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[config.param_dtype], reduce_dtype=DTYPES[config.reduce_dtype])
-    if mode == "hsdp":
+    system = MODES[mode].system
+    if system is System.HSDP:
         shard_hsdp(model, topology, mp)
-    elif mode != "deepspeed":
-        zeropp.shard(model, zeropp_config(mode, topology, mp), topology=topology)
+    elif system is System.ZEROPP:
+        config = MODES[mode].config(topology.ranks_per_node, param_dtype=mp.param_dtype,
+                                    reduce_dtype=mp.reduce_dtype)
+        zeropp.shard(model, config, topology=topology)
     return model
 
 
@@ -340,7 +327,8 @@ def run(config: WorkerConfig) -> dict[str, Any] | None:
     topology = zeropp.Topology.from_env()
     corpus = CharCorpus.shakespeare()
     models = {mode: build_model(mode, config, corpus.vocab_size, topology) for mode in config.modes}
-    trainers = {mode: (DeepSpeedTrainer if mode == "deepspeed" else Trainer)(model, corpus, config)
+    trainer_of = {System.DEEPSPEED: DeepSpeedTrainer}
+    trainers = {mode: trainer_of.get(MODES[mode].system, Trainer)(model, corpus, config)
                 for mode, model in models.items()}
     windows = {mode: Window(topology, config.wire) for mode in config.modes}
     results = train_interleaved(trainers, windows, config)
@@ -368,14 +356,14 @@ def mode_record(mode: str, ranks: list[dict[str, Any]], window: Window, num_step
         "step_times_s": step_times,
         "median_step_s": statistics.median(step_times),
         "losses": [statistics.fmean(r["losses"][i] for r in ranks) for i in range(num_steps)],
-        "ledger_per_step": None if mode in PEER_MODES else [r["ledger"] for r in ranks],
+        "ledger_per_step": None if MODES[mode].system is System.DEEPSPEED else [r["ledger"] for r in ranks],
         "secondary_copy_bytes": [r["secondary_copy_bytes"] for r in ranks],
         "wire_per_step": window.wire_per_step(num_steps),
     }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """``--out`` and one flag per ``WorkerConfig`` field (``--modes fsdp,all``, ``--wire``)."""
+    """``--out`` and one flag per ``WorkerConfig`` field (``--modes zero3,all``, ``--wire``)."""
     parser = argparse.ArgumentParser(description="zeropp benchmark training job (run under torchrun)")
     parser.add_argument("--out", type=Path, required=True, help="where rank 0 writes the JSON record")
     for name, default in asdict(WorkerConfig()).items():

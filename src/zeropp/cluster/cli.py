@@ -20,10 +20,9 @@ from zeropp.cluster.netns import (
 )
 
 
-def add_commands(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``cluster`` and ``launch`` on the ``zeropp`` command's subparsers."""
-    cluster = subparsers.add_parser("cluster", help="the emulated cluster: network namespaces + tc")
-    actions = cluster.add_subparsers(dest="cluster_command", required=True)
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """``zeropp cluster up|down|status|bytes``."""
+    actions = parser.add_subparsers(dest="cluster_command", required=True)
     up = actions.add_parser("up", help="build N nodes joined by a bridge, links limited to --bandwidth")
     up.add_argument("--nodes", type=int, required=True)
     up.add_argument("--bandwidth", "--inter-node-bandwidth", type=_bandwidth, default=None,
@@ -35,17 +34,20 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     counters.add_argument("--json", action="store_true", help="print JSON instead of a table")
     counters.set_defaults(func=_bytes)
 
-    run = subparsers.add_parser("launch", help="run a torchrun job with one torchrun per emulated node",
-                                usage="zeropp launch --nodes N --nproc-per-node D [options] -- CMD ...")
-    run.add_argument("--nodes", type=int, required=True)
-    run.add_argument("--nproc-per-node", type=int, required=True)
-    run.add_argument("--bandwidth", "--inter-node-bandwidth", type=_bandwidth, default=None,
-                     help="per-link rate in tc syntax; default: a running cluster's, else unlimited")
-    run.add_argument("--keep", action="store_true", help="leave a cluster this launch built up afterwards")
-    run.add_argument("--master-port", type=int, default=29500)
-    run.add_argument("--bytes-json", type=Path, help="also write the per-link byte counts here")
-    run.add_argument("command", nargs=argparse.REMAINDER, help="script.py ARGS, -m module ARGS, or an executable")
-    run.set_defaults(func=_launch)
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    """``zeropp launch --nodes N --nproc-per-node D [options] -- CMD ...``."""
+    parser.usage = "zeropp launch --nodes N --nproc-per-node D [options] -- CMD ..."
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--nproc-per-node", type=int, required=True)
+    parser.add_argument("--bandwidth", "--inter-node-bandwidth", type=_bandwidth, default=None,
+                        help="per-link rate in tc syntax; default: a running cluster's, else unlimited")
+    parser.add_argument("--keep", action="store_true", help="leave a cluster this launch built up afterwards")
+    parser.add_argument("--master-port", type=int, default=29500)
+    parser.add_argument("--bytes-json", type=Path, help="also write the per-link byte counts here")
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="script.py ARGS, -m module ARGS, or an executable")
+    parser.set_defaults(func=_launch)
 
 
 def _bandwidth(text: str) -> str:

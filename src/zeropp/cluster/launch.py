@@ -1,4 +1,5 @@
-"""Run a torchrun job on the emulated cluster, one torchrun per node, as on a real cluster.
+"""Launchers: a torchrun job on the emulated cluster, one torchrun per node as on a real
+cluster (``launch``), and a job of several declared nodes on this machine (``launch_local``).
 
 Node ``k`` runs ``torchrun --nnodes N --node-rank k --nproc-per-node D --master-addr 10.77.0.1
 --master-port P CMD`` inside its namespace (static rendezvous on node 0's address, as under SLURM),
@@ -7,7 +8,7 @@ nodes over the shaped links, which count every byte that crosses them.
 
 [Note: teardown] Every torchrun starts in its own process group. When one exits non-zero, the
 others are stopped (SIGTERM to their groups: torchrun forwards it to its workers, which it starts
-in sessions of their own), then SIGKILL for anything still running in a node's namespace after a
+as leaders of process groups of their own), then SIGKILL for anything still running in a node's namespace after a
 grace period; the same happens on SIGINT / SIGTERM to the launcher. A cluster the launcher built is
 then removed unless ``keep``; one that was already up stays up.
 """
@@ -35,6 +36,7 @@ from zeropp.cluster.netns import (
     parse_bandwidth,
     stop_processes,
 )
+from zeropp.topology import RANKS_PER_NODE_ENV
 
 MASTER_PORT = 29500
 STOP_GRACE_S = 15.0
@@ -204,3 +206,13 @@ def _ignore_signals() -> None:
     """Teardown must not be interrupted half-way."""
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
+
+
+def launch_local(module: str, module_args: list[str], num_nodes: int, ranks_per_node: int) -> int:
+    """Run ``python -m module`` on num_nodes x ranks_per_node local processes through torchrun,
+    declaring the layout with ``ZEROPP_RANKS_PER_NODE`` (one machine standing in for several
+    nodes, without link limits); returns torchrun's exit code."""
+    env = {**os.environ, RANKS_PER_NODE_ENV: str(ranks_per_node), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={num_nodes * ranks_per_node}", "-m", module, *module_args]
+    return subprocess.call(command, env=env)

@@ -20,6 +20,7 @@ import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
@@ -32,6 +33,9 @@ NODE_INTERFACE = "eth0"
 MAX_NODES = 250
 """Node addresses are 10.77.0.1 ... 10.77.0.250 in one /24."""
 NETNS_ETC = Path("/etc/netns")
+CLUSTER_LOCK = Path(tempfile.gettempdir()) / "zeropp-cluster.lock"
+"""Held while a cluster is built (benchmarks) or used (tests): the namespace names are fixed, so
+one emulated cluster at a time on a machine."""
 """``ip netns exec NAME`` bind-mounts the files of /etc/netns/NAME over /etc: each node's hosts file."""
 
 # [Note: shaping]

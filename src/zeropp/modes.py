@@ -1,0 +1,98 @@
+"""Named configurations: the one registry behind ``--modes`` of ``zeropp demo``, ``converge``,
+``finetune`` and ``bench``, so each configuration has one name everywhere.
+
+A mode is a system (zeropp itself, FSDP2's own hybrid sharding, or DeepSpeed ZeRO-3 as a peer)
+and, for zeropp, the ``ZeroPPConfig`` options. hpZ's secondary partition always spans the whole
+node (``hpz_partition_size`` = ranks per node), so a mode means the same on any layout.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from zeropp.config import ZeroPPConfig
+
+
+class System(str, enum.Enum):
+    """What trains the model in a mode."""
+
+    ZEROPP = "zeropp"
+    """``zeropp.shard`` with the mode's config (plain ZeRO-3 when it asks for no technique)."""
+    HSDP = "hsdp"
+    """FSDP2's hybrid sharding: shard inside each node, replicate across nodes."""
+    DEEPSPEED = "deepspeed"
+    """DeepSpeed ZeRO-3 (an optional dependency), the peer zeropp is measured against."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mode:
+    """One named configuration."""
+
+    name: str
+    summary: str
+    """One line for tables and ``--help``."""
+    system: System = System.ZEROPP
+    options: Mapping[str, Any] = field(default_factory=dict)
+    """``ZeroPPConfig`` fields, besides hpZ's size."""
+    hpz: bool = False
+    """hpZ on, over the whole node."""
+
+    def config(self, ranks_per_node: int, **overrides: Any) -> ZeroPPConfig:
+        """The ``ZeroPPConfig`` of this mode on nodes of ``ranks_per_node`` ranks; ``overrides``
+        are further fields (dtypes, block size, ...)."""
+        if self.system is not System.ZEROPP:
+            raise ValueError(f"mode {self.name!r} runs {self.system.value}, not zeropp: it has no ZeroPPConfig")
+        hpz = {"hpz_partition_size": ranks_per_node} if self.hpz else {}
+        return ZeroPPConfig(**{**self.options, **hpz, **overrides})
+
+
+_ALL = {"quantized_weights": True, "quantized_gradients": True}
+MODES: dict[str, Mode] = {mode.name: mode for mode in (
+    Mode(name="zero3", summary="ZeRO-3: FSDP2 with its own collectives (counted)"),
+    Mode(name="hsdp", summary="FSDP2 hybrid sharding (replicate across nodes)", system=System.HSDP),
+    Mode(name="deepspeed", summary="DeepSpeed ZeRO-3", system=System.DEEPSPEED),
+    Mode(name="qwz", summary="qwZ: INT8 weight all-gather", options={"quantized_weights": True}),
+    Mode(name="qnw", summary="INT8 all-gather of frozen weights only",
+         options={"quantized_nontrainable_weights": True}),
+    Mode(name="hpz", summary="hpZ: secondary weight partition inside the node", hpz=True),
+    Mode(name="qgz", summary="qgZ: INT4 two-hop gradient all-to-all", options={"quantized_gradients": True}),
+    Mode(name="qgz_ef", summary="qgZ with error feedback",
+         options={"quantized_gradients": True, "error_feedback": True}),
+    Mode(name="qgz_int8", summary="qgZ, INT8 on both hops",
+         options={"quantized_gradients": True, "grad_bits_intra": 8, "grad_bits_inter": 8}),
+    Mode(name="qgz_int8_intra", summary="qgZ, INT8 intra-node hop, INT4 cross-node",
+         options={"quantized_gradients": True, "grad_bits_intra": 8}),
+    Mode(name="qgz_block32", summary="qgZ with 32-element blocks",
+         options={"quantized_gradients": True, "block_size": 32}),
+    Mode(name="all", summary="qwZ + hpZ + qgZ", options=_ALL, hpz=True),
+    Mode(name="all_ef", summary="all three, qgZ with error feedback", options={**_ALL, "error_feedback": True},
+         hpz=True),
+    Mode(name="all_int8_intra", summary="all three, qgZ INT8 intra-node hop",
+         options={**_ALL, "grad_bits_intra": 8}, hpz=True),
+)}
+"""Every mode by name. ``zero3`` is the baseline every comparison is made against."""
+
+BASELINE = "zero3"
+
+
+def zeropp_modes() -> tuple[str, ...]:
+    """The modes that ``zeropp.shard`` trains (demo, converge, finetune accept only these)."""
+    return tuple(name for name, mode in MODES.items() if mode.system is System.ZEROPP)
+
+
+def check_modes(names: Iterable[str], allowed: Iterable[str]) -> tuple[str, ...]:
+    """``names`` as a tuple, or a ``ValueError`` naming the unknown ones and what is allowed."""
+    names, allowed = tuple(names), tuple(allowed)
+    unknown = [name for name in names if name not in allowed]
+    if not names or unknown or len(set(names)) != len(names):
+        raise ValueError(f"modes={list(names)} must be distinct names from {list(allowed)}"
+                         + (f"; unknown: {unknown}" if unknown else ""))
+    return names
+
+
+def parse_modes(text: str, allowed: Iterable[str]) -> tuple[str, ...]:
+    """A comma-separated ``--modes`` value, checked against ``allowed``."""
+    return check_modes([name for name in text.split(",") if name], allowed)

@@ -1,0 +1,168 @@
+"""qgZ: the gradient reduce-scatter as two quantized all-to-all hops (ZeRO++ section 3.3), an
+FSDP2 ``ReduceScatter`` comm, with optional error feedback.
+
+Intra-node first (the fast links carry the big exchange), then inter-node with what is left: a
+rank sends (N - 1)/N x M/D x bits/8 bytes across nodes where a bf16 ring reduce-scatter sends
+(W - 1)/W x M x 2. Between the hops the partial sums are reduced in fp32, and AVG divides by
+the world size exactly (DeepSpeed's divides by the number of nodes).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from zeropp._fsdp import ReduceScatter
+from zeropp.codec import ChunkCodec, segments_for
+from zeropp.comms import RecordedComm, all_to_all, nbytes
+from zeropp.ledger import CommLedger
+from zeropp.topology import ProcessGroups
+
+
+def intra_node_send_order(num_nodes: int, ranks_per_node: int) -> torch.Tensor:
+    """qgZ's remap: slot d*N + n of the intra-node send buffer holds chunk n*D + d, so local
+    rank d receives, from every node peer, the N chunks owed to local index d on every node."""
+    return torch.arange(num_nodes * ranks_per_node).view(num_nodes, ranks_per_node).t().reshape(-1)
+
+
+class HierarchicalQuantizedReduceScatter(RecordedComm, ReduceScatter):
+    """qgZ: the gradient reduce-scatter as two quantized all-to-all hops, intra-node then
+    inter-node, reduced in fp32 between them (ZeRO++ section 3.3). See [Note: qgZ remap].
+
+    [Note: qgZ remap]
+    FSDP2 hands over W = N x D chunks of S elements, chunk c owed to global rank c = n*D + d.
+    Viewed as (N, D, S), the rows [:, d] are the N chunks owed to the ranks with local index d on
+    every node; hop 1 sends them to local rank d, which sums what its node's D ranks sent (the
+    partial sums for node n's rank d), and hop 2 sends partial n to node n over the inter-node
+    group, where the N partials are summed: each rank ends with its own chunk's total. AVG then
+    divides by W exactly. With one node or one rank per node, one hop vanishes.
+
+    Each parameter's slice of a chunk is quantized on its own when the chunk is laid out as the
+    unit's trainable parameters (the usual case); otherwise (a parameter without a gradient
+    this step) the whole chunk is one run of blocks, still quantized with the same bound.
+
+    [Note: qgZ own rows]
+    In each hop a rank owes some rows to itself (hop 1: its share of its own gradient; hop 2:
+    its own node's partial). Those never travel, so they are not quantized either: they enter
+    the sum in fp32. This halves the codec's work on a 2 x 2 layout (1/D of hop 1, 1/N of hop
+    2 in general), sends the same bytes to every peer, and only lowers the error (the bound in
+    tests/test_qgz.py leaves those terms out). DeepSpeed quantizes every row, its own included.
+    """
+
+    technique = "qgZ"
+
+    def __init__(self, groups: ProcessGroups, padded_numels: list[int], *, bits_intra: int,
+                 bits_inter: int, block_size: int, error_feedback: bool = False,
+                 ledger: CommLedger | None = None) -> None:
+        super().__init__(groups.topology, ledger)
+        self.groups = groups
+        self.padded_numels = padded_numels
+        self.bits_intra, self.bits_inter, self.block_size = bits_intra, bits_inter, block_size
+        self.error_feedback = error_feedback
+        self._residuals: dict[int, torch.Tensor] = {}  # hop -> fp32 quantization residual
+        self._codecs: dict[tuple[int, int], ChunkCodec] = {}
+
+    def codec(self, chunk_numel: int, bits: int) -> ChunkCodec:
+        key = (chunk_numel, bits)
+        if key not in self._codecs:
+            world_size = self.topology.world_size
+            if sum(self.padded_numels) == chunk_numel * world_size:
+                segments = segments_for(self.padded_numels, [True] * len(self.padded_numels), world_size, bits)
+            else:
+                segments = segments_for([chunk_numel], [True], 1, bits)
+            self._codecs[key] = ChunkCodec(segments, self.block_size, torch.float32)
+        return self._codecs[key]
+
+    @property
+    def residual_bytes(self) -> int:
+        """Bytes held for error feedback (fp32 residuals of both hops)."""
+        return sum(nbytes(r) for r in self._residuals.values())
+
+    def reset_error_feedback(self) -> None:
+        """Forget the residuals, e.g. after a loss scaler skipped a step on overflow."""
+        self._residuals.clear()
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, op: dist.ReduceOp, async_op: bool = False) -> dist.Work | None:
+        topology = self.topology
+        if group.size() != topology.world_size:
+            raise ValueError(f"qgZ reduce-scatter runs on the world ({topology.world_size} ranks), "
+                             f"got a group of {group.size()}")
+        if op not in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
+            raise ValueError(f"qgZ reduce-scatter supports ReduceOp.AVG and SUM, got {op}")
+        num_nodes, ranks_per_node = topology.num_nodes, topology.ranks_per_node
+        chunk_numel = output_tensor.numel()
+        chunks = input_tensor.view(num_nodes, ranks_per_node, chunk_numel)
+        if ranks_per_node > 1:
+            partial = self._intra_node_hop(chunks, chunk_numel)  # (N, S) fp32
+        else:
+            partial = chunks[:, 0].float()
+        total = self._inter_node_hop(partial, chunk_numel) if num_nodes > 1 else partial[0]
+        if op == dist.ReduceOp.AVG:
+            total = total.div_(topology.world_size)
+        output_tensor.copy_(total)
+        return None
+
+    def _with_residual(self, hop: int, x: torch.Tensor) -> torch.Tensor:
+        residual = self._residuals.get(hop)
+        if residual is None or residual.shape != x.shape:
+            return x
+        return x.float() + residual
+
+    def _keep_residual(self, hop: int, x: torch.Tensor, sent: torch.Tensor, packed: torch.Tensor,
+                       codec: ChunkCodec) -> None:
+        """Error feedback: remember what quantization lost on the rows ``sent`` (indices into
+        ``x``), to add it before the next call; the rows kept are exact, their residual zero."""
+        decoded = torch.empty((len(sent), x.shape[1]), dtype=torch.float32, device=x.device)
+        codec.decode(packed, decoded)
+        lost = x[sent].float() - decoded
+        residual = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        if bool(lost.isfinite().all()):
+            residual[sent] = lost
+        self._residuals[hop] = residual
+
+    def _exchange(self, rows: torch.Tensor, codec: ChunkCodec, hop: int, group: dist.ProcessGroup,
+                  order: torch.Tensor | None = None) -> torch.Tensor:
+        """Send ``rows`` (k, S) in ``order`` of rows to the group's ranks (k / size rows each) and
+        return, in the same slots, what each rank sent, decoded to fp32 (k, S).
+
+        Only the rows bound for other ranks are quantized; the block this rank owes itself stays
+        in fp32 and never enters the collective, which sends it nothing (see [Note: qgZ own rows]).
+        """
+        size, me = group.size(), group.rank()
+        per_peer = rows.shape[0] // size
+        if order is None:
+            order = torch.arange(rows.shape[0], device=rows.device)
+        own = order[me * per_peer:(me + 1) * per_peer]
+        sent = torch.cat((order[:me * per_peer], order[(me + 1) * per_peer:]))
+        if self.error_feedback:
+            rows = self._with_residual(hop, rows)
+        packed = torch.empty((len(sent), codec.nbytes), dtype=torch.uint8, device=rows.device)
+        codec.encode(rows[sent], packed)
+        if self.error_feedback:
+            self._keep_residual(hop, rows, sent, packed, codec)
+        received = torch.empty_like(packed)
+        splits = [0 if peer == me else per_peer * codec.nbytes for peer in range(size)]
+        all_to_all(received.view(-1), packed.view(-1), splits, group, self.recorder, self.technique,
+                   dtype=f"int{codec.segments[0].bits}")
+        decoded = torch.empty(rows.shape, dtype=torch.float32, device=rows.device)
+        before, after = me * per_peer, (me + 1) * per_peer
+        for source, target in ((received[:before], decoded[:before]), (received[before:], decoded[after:])):
+            if len(source):
+                codec.decode(source, target)
+        decoded[before:after] = rows[own]
+        return decoded
+
+    def _intra_node_hop(self, chunks: torch.Tensor, chunk_numel: int) -> torch.Tensor:
+        """Hop 1: (N, D, S) chunks; local rank d gets rows [:, d] from each node peer; sum them."""
+        num_nodes, ranks_per_node = chunks.shape[:2]
+        codec = self.codec(chunk_numel, self.bits_intra)
+        rows = chunks.reshape(num_nodes * ranks_per_node, chunk_numel)
+        order = intra_node_send_order(num_nodes, ranks_per_node).to(rows.device)
+        decoded = self._exchange(rows, codec, 1, self.groups.intra_node_group, order)
+        return decoded.view(ranks_per_node, num_nodes, chunk_numel).sum(dim=0)
+
+    def _inter_node_hop(self, partial: torch.Tensor, chunk_numel: int) -> torch.Tensor:
+        """Hop 2: partial n goes to node n; sum the N partials received."""
+        codec = self.codec(chunk_numel, self.bits_inter)
+        return self._exchange(partial, codec, 2, self.groups.inter_node_group).sum(dim=0)

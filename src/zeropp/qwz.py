@@ -1,0 +1,63 @@
+"""qwZ: the quantized weight all-gather (ZeRO++ section 3.1), an FSDP2 ``AllGather`` comm.
+
+Each rank's chunk of a unit's flat parameter buffer travels block-quantized (data and scales
+in one uint8 payload, see ``zeropp.codec``), and every rank's chunk, its own included, is
+decoded into the output, so all ranks compute with the same weights: ``dequantize(quantize(
+shard))`` of every shard. FSDP2 calls the same comm for the backward all-gather; on an
+intra-node group (hpZ's backward gather) the chunk travels in full precision unless asked.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from zeropp._fsdp import AllGather
+from zeropp.codec import ChunkCodec, segments_for
+from zeropp.comms import RecordedComm, all_gather
+from zeropp.ledger import CommLedger, GroupKind
+from zeropp.topology import Topology
+
+
+class QuantizedAllGather(RecordedComm, AllGather):
+    """qwZ's all-gather of one unit.
+
+    Each parameter's slice is quantized on its own (a scale never spans two tensors).
+    ``quantized`` says which parameters are (all of them for qwZ; the frozen ones for quantized
+    non-trainable weights); the others travel in their own precision inside the same payload.
+    """
+
+    technique = "qwZ"
+
+    def __init__(self, topology: Topology, padded_numels: list[int], quantized: list[bool], *,
+                 bits: int, block_size: int, quantize_intra_node: bool = False,
+                 ledger: CommLedger | None = None) -> None:
+        super().__init__(topology, ledger)
+        self.padded_numels, self.quantized = padded_numels, quantized
+        self.bits, self.block_size = bits, block_size
+        self.quantize_intra_node = quantize_intra_node
+        self._codecs: dict[tuple[int, torch.dtype], ChunkCodec] = {}
+
+    def codec(self, group_size: int, dtype: torch.dtype) -> ChunkCodec:
+        """The codec of one chunk when the unit's parameters are split over ``group_size`` ranks."""
+        key = (group_size, dtype)
+        if key not in self._codecs:
+            segments = segments_for(self.padded_numels, self.quantized, group_size, self.bits)
+            self._codecs[key] = ChunkCodec(segments, self.block_size, dtype)
+        return self._codecs[key]
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
+        info = self.group_info(group)
+        if info.kind is GroupKind.INTRA and not self.quantize_intra_node:
+            return all_gather(output_tensor, input_tensor, group, self.recorder, "hpZ", async_op=async_op)
+        codec = self.codec(info.size, input_tensor.dtype)
+        if codec.numel != input_tensor.numel():
+            raise RuntimeError(f"qwZ all-gather got a chunk of {input_tensor.numel()} elements, but the "
+                               f"unit's parameters make chunks of {codec.numel} on {info.size} ranks")
+        send = torch.empty((1, codec.nbytes), dtype=torch.uint8, device=input_tensor.device)
+        codec.encode(input_tensor.view(1, -1), send)
+        received = torch.empty((info.size, codec.nbytes), dtype=torch.uint8, device=input_tensor.device)
+        all_gather(received.view(-1), send.view(-1), group, self.recorder, self.technique, dtype=f"int{self.bits}")
+        codec.decode(received, output_tensor.view(info.size, -1))
+        return None

@@ -1,0 +1,131 @@
+"""The accessors of FSDP2's private state (``zeropp._fsdp``), the comms handle ``shard`` records,
+the one mode registry, and the command line's lazy imports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import zeropp
+from distributed import run_distributed
+from zeropp._fsdp import fsdp_units, in_backward, unit_layout
+from zeropp.modes import MODES, System, check_modes, parse_modes, zeropp_modes
+
+TWO_BY_TWO = {"ZEROPP_RANKS_PER_NODE": "2"}
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 5)  # weight (5, 6): dim 0 padded 5 -> 8 on 4 ranks
+        self.frozen = nn.Parameter(torch.ones(3, 2), requires_grad=False)  # dim 0 padded 3 -> 4
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + self.frozen.sum()
+
+
+def _layout_worker(rank: int, world_size: int, reshard: bool | int) -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), nn.Linear(5, 1))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32)
+    fully_shard(model[0], reshard_after_forward=reshard, mp_policy=mp)
+    fully_shard(model, reshard_after_forward=reshard)
+    seen_in_backward = []
+    x = torch.randn(2, 6, requires_grad=True)
+    x.register_hook(lambda grad: seen_in_backward.append(in_backward()))
+    model(x).sum().backward()
+    block, root = (unit_layout(unit) for unit in (model[0], model))
+    return {"block": block, "root": root, "units": len(list(fsdp_units(model))),
+            "in_backward": (in_backward(), seen_in_backward)}
+
+
+@pytest.mark.parametrize("reshard,post_forward", [(True, 4), (2, 2)])
+def test_unit_layout_reads_fsdp2_flat_buffer_order(reshard: bool | int, post_forward: int) -> None:
+    """Padded numels (dim 0 to a multiple of 4 ranks, times the other dims), trainable flags,
+    the gather dtype's item size (the unit's mixed-precision bf16, else fp32), and the
+    post-forward group (hpZ's size when ``reshard_after_forward`` is an int)."""
+    result = run_distributed(_layout_worker, 4, reshard)[0]
+    block, root = result["block"], result["root"]
+    assert block.padded_numels == [8 * 6, 8, 4 * 2]  # linear.weight, linear.bias, frozen
+    assert block.trainable == [True, True, False]
+    assert block.gather_itemsizes == [2, 2, 2]
+    assert (block.shard_group_size, block.post_forward_group_size) == (4, post_forward)
+    assert root.padded_numels == [4 * 5, 4] and root.gather_itemsizes == [4, 4]
+    assert result["units"] == 2
+    assert result["in_backward"] == (False, [True])
+
+
+def _sharded_comms_worker(rank: int, world_size: int) -> dict:
+    from zeropp.comms import CountingAllGather, CountingReduceScatter
+    from zeropp.qgz import HierarchicalQuantizedReduceScatter
+    from zeropp.qwz import QuantizedAllGather
+
+    model = nn.Sequential(nn.Sequential(*(nn.Linear(8, 8) for _ in range(3))))  # 3 units and the root
+    zeropp.shard(model, zeropp.ZeroPPConfig(quantized_weights=True, quantized_gradients=True))
+    installed = zeropp.sharded_comms(model)
+    plain = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)))
+    zeropp.shard(plain)
+    stranger = nn.Linear(2, 2)
+    return {
+        "all_gathers": [type(c) is QuantizedAllGather for c in installed.all_gathers],
+        "qgz": len(installed.qgz),
+        "reduce_scatters": [type(c) is HierarchicalQuantizedReduceScatter for c in installed.reduce_scatters],
+        "plain": ([type(c) is CountingAllGather for c in zeropp.sharded_comms(plain).all_gathers],
+                  [type(c) is CountingReduceScatter for c in zeropp.sharded_comms(plain).reduce_scatters],
+                  zeropp.sharded_comms(plain).qgz),
+        "stranger": (zeropp.sharded_comms(stranger).all_gathers, zeropp.sharded_comms(stranger).qgz),
+    }
+
+
+def test_shard_records_the_comms_it_installs() -> None:
+    """Three units and the root each get one all-gather and one reduce-scatter comm (the root owns
+    no parameter, so nothing to quantize: its all-gather is the counted plain one); the engine
+    reaches qgZ's through this handle, not through FSDP2's fields."""
+    result = run_distributed(_sharded_comms_worker, 4, env=TWO_BY_TWO)[0]
+    assert result["all_gathers"] == [True, True, True, False] and result["reduce_scatters"] == [True] * 4
+    assert result["qgz"] == 4
+    assert result["plain"] == ([True] * 3, [True] * 3, [])
+    assert result["stranger"] == ([], [])
+
+
+def test_every_mode_has_one_name_and_a_config() -> None:
+    assert MODES["zero3"].config(2) == zeropp.ZeroPPConfig()
+    assert MODES["all"].config(4) == zeropp.ZeroPPConfig(quantized_weights=True, hpz_partition_size=4,
+                                                         quantized_gradients=True)
+    assert MODES["hpz"].config(1).hpz_partition_size == 1
+    assert MODES["qgz_int8_intra"].config(2, block_size=64) == zeropp.ZeroPPConfig(
+        quantized_gradients=True, grad_bits_intra=8, grad_bits_inter=4, block_size=64)
+    assert "hsdp" not in zeropp_modes() and "deepspeed" not in zeropp_modes() and "zero3" in zeropp_modes()
+    assert {MODES[name].system for name in ("hsdp", "deepspeed")} == {System.HSDP, System.DEEPSPEED}
+    with pytest.raises(ValueError, match="mode 'hsdp' runs hsdp, not zeropp"):
+        MODES["hsdp"].config(2)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("zero3,fsdp", r"modes=\['zero3', 'fsdp'\] must be distinct names from \[.*unknown: \['fsdp'\]"),
+    ("qwz,qwz", r"modes=\['qwz', 'qwz'\] must be distinct"),
+    ("", r"modes=\[\] must be distinct"),
+])
+def test_mode_lists_are_checked(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_modes(text, zeropp_modes())
+    assert check_modes(["all", "zero3"], MODES) == ("all", "zero3")
+
+
+def test_help_imports_no_torch() -> None:
+    """``zeropp --help`` lists every command without importing torch (a cold start on a login
+    node), and a subcommand's own ``--help`` has its options."""
+    code = ("import sys\nfrom zeropp.cli import build_parser\n"
+            "text = build_parser(['--help']).format_help()\n"
+            "print('torch' in sys.modules, text)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("False")
+    for name in ("demo", "bench", "converge", "finetune", "checkpoint", "cluster", "launch"):
+        assert f"    {name}" in out
+    demo = subprocess.run([sys.executable, "-m", "zeropp.cli", "demo", "--help"], capture_output=True, text=True)
+    assert demo.returncode == 0 and "--ranks-per-node" in demo.stdout, demo.stderr
