@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.zeropp-installed
 
-.PHONY: demo test venv clean
+.PHONY: demo test test-fast lint venv clean
 
 venv: $(STAMP)
 
@@ -26,6 +26,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+
+# the edit-run loop: everything but the multi-minute training tests (marked slow)
+test-fast: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis
