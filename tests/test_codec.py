@@ -63,3 +63,34 @@ def test_segments_for_splits_padded_numels() -> None:
     assert segments_for([8, 12], [True, False], 4, 8) == [Segment(2, 8), Segment(3, None)]
     with pytest.raises(ValueError, match="padded numel 10 is not divisible by the group size 4"):
         segments_for([10], [True], 4, 8)
+
+
+def test_byte_mode_codes_each_segment_in_its_own_dtype() -> None:
+    """A mixed-dtype unit's chunk is raw bytes (FSDP2's uint8 all-gather); each segment is read
+    in its own dtype, coded, and decoded back into its byte range: the same as coding each
+    parameter's slice on its own, and raw segments come back byte for byte."""
+    g = torch.Generator().manual_seed(0)
+    parts = [torch.randn(7, generator=g).to(torch.bfloat16), torch.randn(33, generator=g),
+             torch.randn(5, generator=g).to(torch.float16), torch.randn(3, generator=g)]
+    segments = [Segment(7, 8, torch.bfloat16), Segment(33, 4, torch.float32), Segment(5, None, torch.float16),
+                Segment(3, 8, torch.float32)]
+    codec = ChunkCodec(segments, block_size=32, dtype=torch.uint8)
+    chunk = torch.cat([p.view(torch.uint8) for p in parts]).view(1, -1)
+    assert codec.byte_mode and codec.numel == chunk.numel() == 7 * 2 + 33 * 4 + 5 * 2 + 3 * 4
+    packed = torch.empty(1, codec.nbytes, dtype=torch.uint8)
+    codec.encode(chunk, packed)
+    out = torch.empty_like(chunk)
+    codec.decode(packed, out)
+    offset = 0
+    for part, segment in zip(parts, segments):
+        nbytes = part.numel() * part.element_size()
+        decoded = out[0, offset:offset + nbytes].clone().view(part.dtype)
+        offset += nbytes
+        if segment.bits is None:
+            assert torch.equal(decoded, part)
+        else:
+            expected = dequantize_packed(quantize_packed(part, segment.bits, 32), segment.bits, 32, part.numel(),
+                                         part.dtype)
+            assert torch.equal(decoded, expected)
+    with pytest.raises(ValueError, match="every segment's dtype"):
+        ChunkCodec([Segment(4, 8, torch.float32), Segment(4, 8)], 32, torch.uint8)

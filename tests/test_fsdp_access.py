@@ -53,9 +53,12 @@ def test_unit_layout_reads_fsdp2_flat_buffer_order(reshard: bool | int, post_for
     block, root = result["block"], result["root"]
     assert block.padded_numels == [8 * 6, 8, 4 * 2]  # linear.weight, linear.bias, frozen
     assert block.trainable == [True, True, False]
-    assert block.gather_itemsizes == [2, 2, 2]
+    assert block.gather_dtypes == [torch.bfloat16] * 3
+    assert block.names == ["linear.weight", "linear.bias", "frozen"]
+    assert block.shapes == [(5, 6), (5,), (3, 2)]
     assert (block.shard_group_size, block.post_forward_group_size) == (4, post_forward)
-    assert root.padded_numels == [4 * 5, 4] and root.gather_itemsizes == [4, 4]
+    assert root.padded_numels == [4 * 5, 4] and root.gather_dtypes == [torch.float32] * 2
+    assert root.names == ["1.weight", "1.bias"]
     assert result["units"] == 2
     assert result["in_backward"] == (False, [True])
 
@@ -87,9 +90,9 @@ def test_shard_records_the_comms_it_installs() -> None:
     no parameter, so nothing to quantize: its all-gather is the counted plain one); the engine
     reaches qgZ's through this handle, not through FSDP2's fields."""
     result = run_distributed(_sharded_comms_worker, 4, env=TWO_BY_TWO)[0]
-    assert result["all_gathers"] == [True, True, True, False] and result["reduce_scatters"] == [True] * 4
+    assert result["all_gathers"] == [False, True, True, True] and result["reduce_scatters"] == [True] * 4
     assert result["qgz"] == 4
-    assert result["plain"] == ([True] * 3, [True] * 3, [])
+    assert result["plain"] == ([True] * 3, [True] * 3, [])  # the root and its 2 units
     assert result["stranger"] == ([], [])
 
 

@@ -18,6 +18,7 @@ _PUBLIC = {
     "ZeroPPConfig": "zeropp.config",
     "ZeroPPEngine": "zeropp.engine",
     "comm_ledger": "zeropp.ledger",
+    "enable": "zeropp.sharding",
     "initialize": "zeropp.engine",
     "shard": "zeropp.sharding",
     "sharded_comms": "zeropp.sharding",

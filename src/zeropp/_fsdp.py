@@ -1,6 +1,7 @@
-"""The one module that touches private torch state: FSDP2's parameter groups and comm
-interfaces, c10d's group registry, autograd's graph task, and three DCP helpers (nested-dict
-assignment, the metadata-driven load planner, loading without a process group).
+"""The one module that touches private state of the libraries zeropp builds on: FSDP2's
+parameter groups and comm interfaces, c10d's group registry, autograd's graph task, three DCP
+helpers (nested-dict assignment, the metadata-driven load planner, loading without a process
+group), and accelerate's mark of a model it has already prepared.
 
 FSDP2's public surface (``fully_shard``, ``FSDPModule.set_custom_all_gather`` and friends) does
 not say how a unit lays out its flat buffers, which mesh its post-forward reshard uses, or which
@@ -24,6 +25,7 @@ from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlan
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as load_state_dict_into
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
 __all__ = [
     "AllGather",
@@ -33,6 +35,8 @@ __all__ = [
     "fsdp_units",
     "in_backward",
     "load_state_dict_into",
+    "mark_prepared_for_accelerate",
+    "register_primary_shards",
     "set_element",
     "set_process_group_timeouts",
     "unit_layout",
@@ -43,12 +47,16 @@ __all__ = [
 class UnitLayout:
     """What one FSDP unit communicates, in FSDP2's flat-buffer order."""
 
+    names: list[str]
+    """Each parameter's name in the unit (``module.named_parameters()``), for error messages."""
+    shapes: list[torch.Size]
+    """Each parameter's unsharded shape."""
     padded_numels: list[int]
     """Each parameter's numel with dim 0 padded to a multiple of the shard group's size."""
     trainable: list[bool]
-    gather_itemsizes: list[int]
-    """Bytes per element each parameter is all-gathered in (the mixed-precision ``param_dtype``,
-    else its own dtype)."""
+    gather_dtypes: list[torch.dtype]
+    """The dtype each parameter is all-gathered in (the mixed-precision ``param_dtype``, else its
+    own); FSDP2 gathers a unit whose dtypes differ as one uint8 buffer."""
     shard_group_size: int
     """Ranks the unit is sharded over (its FSDP mesh's shard dimension); 1 for an empty unit."""
     post_forward_group_size: int
@@ -60,18 +68,36 @@ def unit_layout(module: FSDPModule) -> UnitLayout:
     """Read a unit's parameter layout from FSDP2 (empty for a unit that owns no parameters)."""
     param_group = module._get_fsdp_state()._fsdp_param_group
     if param_group is None:
-        return UnitLayout([], [], [], 1, 1)
+        return UnitLayout([], [], [], [], [], 1, 1)
     world_size = param_group.mesh_info.shard_mesh_size
     post_forward = param_group.post_forward_mesh_info
     params = param_group.fsdp_params
     param_dtype = param_group.mp_policy.param_dtype
+    name_of = {id(p): name for name, p in module.named_parameters()}
     return UnitLayout(
+        names=[name_of.get(id(p.sharded_param), "?") for p in params],
+        shapes=[p.sharded_param.shape for p in params],
         padded_numels=[p.padded_sharded_param_size.numel() * world_size for p in params],
         trainable=[p.sharded_param.requires_grad for p in params],
-        gather_itemsizes=[(param_dtype or p.sharded_param.dtype).itemsize for p in params],
+        gather_dtypes=[param_dtype or p.sharded_param.dtype for p in params],
         shard_group_size=world_size,
         post_forward_group_size=post_forward.shard_mesh_size if post_forward is not None else world_size,
     )
+
+
+def register_primary_shards(unit: FSDPModule) -> None:
+    """After a unit's forward under hpZ, FSDP2 registers the secondary (post-forward) shards as
+    the module's parameters and keeps their data in its own fields for the backward gather. Put
+    the primary shards (the ones the optimizer holds) back in the module: every reader and writer
+    of parameters (state dicts, DCP, ``load_state_dict`` and FSDP2's own post-load hook, in-place
+    edits) then sees the primary shards, while the backward still gathers from the secondary
+    data. FSDP2 registers the primary shards itself again when it reshards."""
+    param_group = unit._get_fsdp_state()._fsdp_param_group
+    if param_group is None:
+        return
+    for fsdp_param in param_group.fsdp_params:
+        if fsdp_param.sharded_state is ShardedState.SHARDED_POST_FORWARD:
+            fsdp_param._setattr_on_modules(fsdp_param.sharded_param)
 
 
 def fsdp_units(model: nn.Module) -> Iterator[FSDPModule]:
@@ -92,3 +118,9 @@ def set_process_group_timeouts(timeout_s: float) -> None:
     for group in list(c10d._world.pg_map):
         c10d._set_pg_timeout(timeout, group)
 
+
+
+def mark_prepared_for_accelerate(model: nn.Module) -> None:
+    """Make accelerate's ``prepare_model`` hand ``model`` back as it is (it skips a model that
+    carries its "already prepared" mark): no DDP wrapper over FSDP2's DTensor parameters, no move."""
+    model._is_accelerate_prepared = True

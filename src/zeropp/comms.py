@@ -89,6 +89,16 @@ def all_reduce_sum(buffer: torch.Tensor, group: dist.ProcessGroup | None, record
     dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
 
 
+def broadcast(tensor: torch.Tensor, source_rank: int, group: dist.ProcessGroup | None, recorder: Recorder,
+              technique: str) -> None:
+    """Every rank's ``tensor`` becomes ``source_rank``'s (a global rank), in place. The ledger
+    counts the source's sends: ``tensor`` to every peer."""
+    group = group or dist.group.WORLD
+    bytes_per_peer = nbytes(tensor) if dist.get_rank() == source_rank else 0
+    recorder.record(Op.BROADCAST, group, bytes_per_peer, tensor.dtype, technique)
+    dist.broadcast(tensor, src=source_rank, group=group)
+
+
 def all_gather_strings(value: str, group: dist.ProcessGroup | None = None) -> list[str]:
     """Every rank's ``value`` (e.g. its hostname), in rank order. Used once at start-up; not
     counted (a few bytes, before training)."""

@@ -45,7 +45,7 @@ from zeropp.loss_scaler import LossScaler
 from zeropp.lr_schedules import build_scheduler
 from zeropp.qgz import HierarchicalQuantizedReduceScatter
 from zeropp.rng import rng_state, set_rng_state
-from zeropp.sharding import UnitSpec, shard, sharded_comms
+from zeropp.sharding import UnitSpec, enable, shard, sharded_comms
 from zeropp.topology import Topology
 
 logger = logging.getLogger("zeropp")
@@ -56,6 +56,13 @@ TIMEOUT_ENV = "ZEROPP_TIMEOUT_S"
 def qgz_comms(model: nn.Module) -> list[HierarchicalQuantizedReduceScatter]:
     """The qgZ reduce-scatter comm of every sharded unit of ``model`` that has one."""
     return sharded_comms(model).qgz
+
+
+def _owned_grads(params: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradients this rank owns for a global norm: its shards of every sharded parameter, and
+    the whole (replicated, equal on every rank) gradients of 0-dim parameters on rank 0 only."""
+    rank = dist.get_rank()
+    return [g for p, g in zip(params, grads) if isinstance(p, DTensor) or rank == 0]
 
 
 class ZeroPPEngine:
@@ -127,7 +134,7 @@ class ZeroPPEngine:
         grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
         overflow, self.last_grad_norm = False, None
         if self.loss_scaler is not None or training.gradient_clipping > 0:
-            norm, overflow = global_grad_norm_and_overflow(grads, self.topology, self._device)
+            norm, overflow = global_grad_norm_and_overflow(_owned_grads(params, grads), self.topology, self._device)
             self.last_grad_norm = norm / (self.loss_scaler.scale if self.loss_scaler else 1.0)
         self._step_applied = not (overflow and self.loss_scaler is not None)
         if not self._step_applied:
@@ -296,7 +303,9 @@ def initialize(*, model: nn.Module, config: dict[str, Any] | str | os.PathLike[s
     parsed.training.resolve_batch(topology.world_size)  # batch keys wrong: fail before sharding
     name_of = {id(p): name for name, p in model.named_parameters()}
     groups = _param_groups(model, model_parameters, name_of)
-    if not isinstance(model, FSDPModule):
+    if isinstance(model, FSDPModule):
+        enable(model, parsed.zeropp, topology=topology)  # sharded already: by the user, or an earlier engine
+    else:
         shard(model, parsed.zeropp, topology=topology, units=units)
     if timeout_s is not None:
         set_process_group_timeouts(timeout_s)

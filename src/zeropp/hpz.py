@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from zeropp._fsdp import fsdp_units, unit_layout
+from zeropp._fsdp import fsdp_units, register_primary_shards, unit_layout
 from zeropp.topology import Topology
 
 
@@ -40,7 +40,16 @@ def keep_secondary_copies_fresh(model: nn.Module) -> None:
     """Install the hooks of [Note: hpZ secondary copies are never stale] on a sharded root."""
     units = list(fsdp_units(model))
     model.register_forward_pre_hook(lambda *_: drop_secondary_copies(units), prepend=True)
-    model.register_forward_hook(lambda *_: None if torch.is_grad_enabled() else drop_secondary_copies(units))
+    model.register_forward_hook(lambda *_: after_root_forward(units))
+
+
+def after_root_forward(units: Sequence[FSDPModule]) -> None:
+    """See [Note: hpZ secondary copies are never stale]."""
+    if torch.is_grad_enabled():
+        for unit in units:
+            register_primary_shards(unit)
+    else:
+        drop_secondary_copies(units)
 
 
 def drop_secondary_copies(units: Sequence[FSDPModule]) -> None:
@@ -53,10 +62,22 @@ def drop_secondary_copies(units: Sequence[FSDPModule]) -> None:
     use them). Resharding is idempotent and costs nothing when no copy is left.
 
     Between a forward and its backward FSDP2 registers the secondary shards as the module's
-    parameters: an in-place edit through ``model.parameters()`` in that window lands in the
-    secondary copy, not in the primary shards the optimizer holds (FSDP2's behaviour)."""
+    parameters. A state dict taken then would hold secondary-mesh shards; a load
+    (``load_state_dict``, DCP's ``set_model_state_dict``, a checkpoint load) would fail on the
+    mesh mismatch or write into a copy the next forward discards (and FSDP2's post-load hook
+    would adopt the secondary shard as the primary); an in-place edit would be lost. So after a
+    grad-enabled root forward the primary shards are registered again (``_fsdp.
+    register_primary_shards``): everything that reads or writes parameters sees the primary
+    shards, the pending backward still gathers from the secondary data FSDP2 keeps, and the next
+    forward gathers whatever was loaded."""
     for unit in units:
         unit.reshard()
+
+
+def has_secondary_copy(unit: FSDPModule) -> bool:
+    """Whether the unit keeps a secondary copy after forward (it was sharded with hpZ)."""
+    layout = unit_layout(unit)
+    return layout.post_forward_group_size < layout.shard_group_size
 
 
 def secondary_copy_bytes(model: nn.Module) -> int:
@@ -67,6 +88,6 @@ def secondary_copy_bytes(model: nn.Module) -> int:
         layout = unit_layout(unit)
         if layout.post_forward_group_size == layout.shard_group_size:
             continue
-        total += sum(numel // layout.post_forward_group_size * itemsize
-                     for numel, itemsize in zip(layout.padded_numels, layout.gather_itemsizes))
+        total += sum(numel // layout.post_forward_group_size * dtype.itemsize
+                     for numel, dtype in zip(layout.padded_numels, layout.gather_dtypes))
     return total

@@ -50,6 +50,7 @@ class Op(str, Enum):
     REDUCE_SCATTER = "reduce_scatter"
     ALL_TO_ALL = "all_to_all"
     ALL_REDUCE = "all_reduce"
+    BROADCAST = "broadcast"
 
 
 def group_kind(topology: Topology, group_ranks: list[int]) -> GroupKind:
@@ -87,7 +88,7 @@ class GroupInfo:
     def backend_sends(self, op: Op, bytes_per_peer: int, direct: int, direct_cross: int) -> tuple[int, int]:
         """(bytes, cross-node bytes) the backend's algorithm sends from this rank, given the
         direct-send counts; see [Note: what a byte count means]."""
-        if self.backend != "gloo" or op is Op.ALL_TO_ALL:
+        if self.backend != "gloo" or op in (Op.ALL_TO_ALL, Op.BROADCAST):
             return direct, direct_cross
         rounds = 1 if op is Op.ALL_GATHER else 2  # reduce-scatter and all-reduce: a ring all-reduce
         sent = rounds * bytes_per_peer * (self.size - 1)

@@ -12,11 +12,29 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from zeropp._fsdp import AllGather
+from zeropp._fsdp import AllGather, UnitLayout
 from zeropp.codec import ChunkCodec, segments_for
 from zeropp.comms import RecordedComm, all_gather
 from zeropp.ledger import CommLedger, GroupKind
 from zeropp.topology import Topology
+
+QUANTIZABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def quantized_parameters(layout: UnitLayout, weights: bool, nontrainable_weights: bool) -> list[bool]:
+    """Which of a unit's parameters qwZ quantizes: every floating-point one (``weights``) or the
+    frozen ones (``nontrainable_weights``). Integer and bool parameters travel as they are; a
+    floating-point dtype the codec does not take is refused, naming the parameter."""
+    flags = []
+    for name, shape, dtype, trainable in zip(layout.names, layout.shapes, layout.gather_dtypes, layout.trainable):
+        wanted = weights or (nontrainable_weights and not trainable)
+        if wanted and dtype.is_floating_point and dtype not in QUANTIZABLE_DTYPES:
+            raise ValueError(
+                f"qwZ cannot quantize parameter {name!r} (shape {tuple(shape)}, {dtype}): the codec takes "
+                f"{', '.join(map(str, QUANTIZABLE_DTYPES))}; cast the model (e.g. model.float()) or gather in "
+                "one of them (MixedPrecisionPolicy param_dtype / ZeroPPConfig param_dtype)")
+        flags.append(wanted and dtype in QUANTIZABLE_DTYPES)
+    return flags
 
 
 class QuantizedAllGather(RecordedComm, AllGather):
@@ -25,15 +43,17 @@ class QuantizedAllGather(RecordedComm, AllGather):
     Each parameter's slice is quantized on its own (a scale never spans two tensors).
     ``quantized`` says which parameters are (all of them for qwZ; the frozen ones for quantized
     non-trainable weights); the others travel in their own precision inside the same payload.
+    ``dtypes`` are the parameters' gather dtypes: a unit that mixes them is gathered by FSDP2 as
+    bytes, and coded per parameter in its own dtype ([Note: mixed-dtype units]).
     """
 
     technique = "qwZ"
 
     def __init__(self, topology: Topology, padded_numels: list[int], quantized: list[bool], *,
                  bits: int, block_size: int, quantize_intra_node: bool = False,
-                 ledger: CommLedger | None = None) -> None:
+                 dtypes: list[torch.dtype] | None = None, ledger: CommLedger | None = None) -> None:
         super().__init__(topology, ledger)
-        self.padded_numels, self.quantized = padded_numels, quantized
+        self.padded_numels, self.quantized, self.dtypes = padded_numels, quantized, dtypes
         self.bits, self.block_size = bits, block_size
         self.quantize_intra_node = quantize_intra_node
         self._codecs: dict[tuple[int, torch.dtype], ChunkCodec] = {}
@@ -42,7 +62,7 @@ class QuantizedAllGather(RecordedComm, AllGather):
         """The codec of one chunk when the unit's parameters are split over ``group_size`` ranks."""
         key = (group_size, dtype)
         if key not in self._codecs:
-            segments = segments_for(self.padded_numels, self.quantized, group_size, self.bits)
+            segments = segments_for(self.padded_numels, self.quantized, group_size, self.bits, self.dtypes)
             self._codecs[key] = ChunkCodec(segments, self.block_size, dtype)
         return self._codecs[key]
 

@@ -17,12 +17,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from zeropp._fsdp import AllGather, ReduceScatter, unit_layout
+from zeropp._fsdp import AllGather, ReduceScatter, fsdp_units, unit_layout
 from zeropp.comms import CountingAllGather, CountingReduceScatter, all_gather_strings
 from zeropp.config import ZeroPPConfig
-from zeropp.hpz import check_hpz, keep_secondary_copies_fresh, reshard_after_forward
+from zeropp.hpz import check_hpz, has_secondary_copy, keep_secondary_copies_fresh, reshard_after_forward
 from zeropp.qgz import HierarchicalQuantizedReduceScatter
-from zeropp.qwz import QuantizedAllGather
+from zeropp.qwz import QuantizedAllGather, quantized_parameters
+from zeropp.scalars import replicate_scalars, scalar_parameters
 from zeropp.topology import ProcessGroups, Topology, build_process_groups, check_hosts, device_type_of
 
 UnitSpec = Sequence[type[nn.Module] | nn.Module]
@@ -35,42 +36,106 @@ def shard(
     topology: Topology | None = None,
     units: UnitSpec | None = None,
 ) -> nn.Module:
-    """Shard ``model`` ZeRO-3 style over every rank, in place, and return it.
+    """Shard ``model`` ZeRO-3 style over every rank, in place, and return it: ``fully_shard`` the
+    units and then the root on the world mesh, then ``enable`` the ZeRO++ comms.
 
     Args:
-        model: any module; its parameters must be on the device the process group uses.
+        model: any module; its parameters must be on the device the process group uses. 0-dim
+            parameters stay whole on every rank (``zeropp.scalars``).
         config: which ZeRO++ techniques to use; ``None`` is plain ZeRO-3 (FSDP2).
         topology: nodes x ranks per node; default ``Topology.from_env()``.
         units: module classes or modules to shard as separate units (each gathers its weights
             just before use); default: the repeated blocks of the model, see ``default_units``.
     """
-    if not dist.is_initialized():
-        raise RuntimeError("zeropp.shard needs torch.distributed initialised: call "
-                           "dist.init_process_group (torchrun sets the environment for it) first")
+    _require_process_group("zeropp.shard")
     config = config if config is not None else ZeroPPConfig()
     topology = topology if topology is not None else Topology.from_env()
-    groups = build_process_groups(topology, device_type_of(model))
-    check_hosts(topology, all_gather_strings(socket.gethostname()))
     check_hpz(config.hpz_partition_size, topology)
     unit_modules = select_units(model, units)
+    scalars = scalar_parameters(model)
+    groups = _process_groups(topology, model)
     mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
     reshard = reshard_after_forward(config.hpz_partition_size)
-    installed = ShardedComms()
     for module in [*unit_modules, model]:
-        fully_shard(module, mesh=groups.mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
-        installed.add(module, *_install_comms(module, groups, config))
-    if config.hpz_partition_size > 1:
+        fully_shard(module, mesh=groups.mesh, reshard_after_forward=reshard, mp_policy=mp_policy,
+                    ignored_params=set(scalars) or None)
+    replicate_scalars(scalars, topology)
+    return _enable(model, config, groups)
+
+
+def enable(model: nn.Module, config: ZeroPPConfig | None = None, *, topology: Topology | None = None) -> nn.Module:
+    """Add ZeRO++ to a model already sharded with ``fully_shard`` (by the user, accelerate's FSDP2
+    plugin or torchtitan), in place, and return it: qwZ and qgZ comms on every unit, hpZ's
+    never-stale hooks on the root. Calling it again replaces the comms (a re-initialised engine).
+
+    hpZ is FSDP2's ``reshard_after_forward=<ranks>``, chosen when the model is sharded, so with
+    ``hpz_partition_size > 1`` every unit must have been sharded with that value; qgZ's two hops
+    need every unit sharded over the whole world (a 1-D mesh, not HSDP's 2-D one).
+    """
+    _require_process_group("zeropp.enable")
+    if not isinstance(model, FSDPModule):
+        raise ValueError(f"zeropp.enable needs the root module sharded with fully_shard; "
+                         f"{type(model).__name__} is not an FSDPModule (use zeropp.shard for a bare model)")
+    config = config if config is not None else ZeroPPConfig()
+    topology = topology if topology is not None else Topology.from_env()
+    check_hpz(config.hpz_partition_size, topology)
+    return _enable(model, config, _process_groups(topology, model))
+
+
+def _process_groups(topology: Topology, model: nn.Module) -> ProcessGroups:
+    groups = build_process_groups(topology, device_type_of(model))
+    check_hosts(topology, all_gather_strings(socket.gethostname()))
+    return groups
+
+
+def _enable(model: FSDPModule, config: ZeroPPConfig, groups: ProcessGroups) -> nn.Module:
+    units = list(fsdp_units(model))
+    for unit in units:
+        check_unit(unit, config, groups.topology)
+    installed = ShardedComms()
+    for unit in units:
+        installed.add(unit, *_install_comms(unit, groups, config))
+    previous = _SHARDED.get(model)
+    installed.fresh_copy_hooks = previous is not None and previous.fresh_copy_hooks
+    if not installed.fresh_copy_hooks and any(has_secondary_copy(unit) for unit in units):
         keep_secondary_copies_fresh(model)
+        installed.fresh_copy_hooks = True
     _SHARDED[model] = installed
     return model
 
 
+def _require_process_group(caller: str) -> None:
+    if not dist.is_initialized():
+        raise RuntimeError(f"{caller} needs torch.distributed initialised: call "
+                           "dist.init_process_group (torchrun sets the environment for it) first")
+
+
+def check_unit(unit: FSDPModule, config: ZeroPPConfig, topology: Topology) -> None:
+    """A unit sharded by someone else must suit the techniques asked for; the error says how to
+    shard it instead."""
+    layout = unit_layout(unit)
+    name = type(unit).__name__
+    if config.quantized_gradients and layout.padded_numels and layout.shard_group_size != topology.world_size:
+        raise ValueError(
+            f"qgZ needs every unit sharded over the whole world ({topology.world_size} ranks); {name} is "
+            f"sharded over {layout.shard_group_size} (HSDP or a 2-D mesh): shard it with fully_shard(module, "
+            "mesh=<1-D world mesh>) or turn quantized_gradients off")
+    hpz = config.hpz_partition_size
+    if hpz > 1 and layout.padded_numels and layout.post_forward_group_size != hpz:
+        raise ValueError(
+            f"hpz_partition_size={hpz}, but {name} keeps its weights sharded over "
+            f"{layout.post_forward_group_size} ranks after forward: hpZ is chosen when sharding; call "
+            f"fully_shard(module, reshard_after_forward={hpz}) on every unit (or set hpz_partition_size=1)")
+
+
 @dataclass
 class ShardedComms:
-    """The comms ``shard`` installed on a model's units, in sharding order (children first)."""
+    """The comms installed on a model's units, in ``model.modules()`` order (the root first)."""
 
     all_gathers: list[AllGather] = field(default_factory=list)
     reduce_scatters: list[ReduceScatter] = field(default_factory=list)
+    fresh_copy_hooks: bool = False
+    """Whether hpZ's never-stale hooks are on the root (installed once per model)."""
 
     def add(self, unit: FSDPModule, all_gather: AllGather, reduce_scatter: ReduceScatter) -> None:
         unit.set_custom_all_gather(all_gather)
@@ -96,12 +161,12 @@ def _install_comms(module: FSDPModule, groups: ProcessGroups, config: ZeroPPConf
                    ) -> tuple[AllGather, ReduceScatter]:
     """The all-gather and reduce-scatter comms ``config`` asks for, for one unit."""
     layout = unit_layout(module)
-    quantized = [config.quantized_weights or (config.quantized_nontrainable_weights and not trainable)
-                 for trainable in layout.trainable]
+    quantized = quantized_parameters(layout, config.quantized_weights, config.quantized_nontrainable_weights)
     if any(quantized):
         all_gather = QuantizedAllGather(
             groups.topology, layout.padded_numels, quantized, bits=config.weight_bits,
-            block_size=config.block_size, quantize_intra_node=config.quantize_intra_node_weights)
+            block_size=config.block_size, quantize_intra_node=config.quantize_intra_node_weights,
+            dtypes=layout.gather_dtypes)
     else:
         all_gather = CountingAllGather(groups.topology)
     if config.quantized_gradients:
