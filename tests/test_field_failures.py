@@ -149,6 +149,7 @@ def _bf16_worker(rank: int, world_size: int) -> dict:
             "worst_grad_error": max(errors.values())}
 
 
+@pytest.mark.slow
 def test_bf16_gathers_and_gradients_stay_bf16() -> None:
     """DeepSpeed read bf16 weights and gradients through fp16 pointers (garbage values). Here the
     bf16 forward gathers are exactly dequantize(quantize(bf16 shard)) in bf16, and qgZ's bf16
@@ -184,6 +185,7 @@ def _reinit_worker(rank: int, world_size: int) -> dict:
             "num_qgz": len(zeropp.sharded_comms(engine.module).qgz)}
 
 
+@pytest.mark.slow
 def test_two_models_and_a_reinitialised_engine_in_one_process() -> None:
     """DeepSpeed #4901: a re-initialised engine (HF Trainer flows) broke hpZ's group set-up. Two
     models sharded in one process train exactly as one alone (bit-identical losses), and an engine
@@ -240,6 +242,7 @@ def _checkpoint_worker(rank: int, world_size: int, directory: str) -> dict:
     return {"expected": expected, "resumed": [step(other, index) for index in (2, 3)]}
 
 
+@pytest.mark.slow
 def test_checkpoint_load_then_the_next_step(tmp_path) -> None:
     """DeepSpeed #7606: a stale hpZ secondary copy after loading a checkpoint (a loss spike). An
     engine of other weights, with a secondary copy built by a forward, loads the step-2 checkpoint
@@ -265,6 +268,7 @@ def _lora_worker(rank: int, world_size: int, base_dtype: torch.dtype) -> dict:
     return losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("base_dtype", [torch.bfloat16, torch.float16])
 def test_lora_with_quantized_frozen_weights(base_dtype: torch.dtype) -> None:
     """DeepSpeed #4885: LoRA with a bf16 base and quantized non-trainable weights failed on
@@ -282,6 +286,7 @@ def _one_node_worker(rank: int, world_size: int) -> dict:
     return {"secondary": secondary_copy_bytes(hpz), "equal": losses[0] == losses[1]}
 
 
+@pytest.mark.slow
 def test_hpz_on_one_node_is_plain_zero3() -> None:
     """DeepSpeedExamples: hpZ on one node gives no speed-up and should be skipped. On 1 node x 4
     ranks hpZ over the whole node keeps no secondary copy and trains exactly as ZeRO-3."""

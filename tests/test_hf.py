@@ -98,6 +98,7 @@ def test_trainer_with_zeropp_trains_like_trainer_with_ddp(tmp_path) -> None:
     assert "qgZ" not in zero3["cross_node"]
 
 
+@pytest.mark.slow
 def test_peft_lora_with_quantized_frozen_weights_under_trainer(tmp_path) -> None:
     """PEFT LoRA on a bf16 base (fp32 adapters in the same units: FSDP2 gathers them as bytes)
     with quantized non-trainable weights, against the same LoRA run under plain ZeRO-3: the

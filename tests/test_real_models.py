@@ -120,9 +120,9 @@ def _qwz_bytes_per_rank_and_block(param_dtype: torch.dtype | None, base_dtype: t
 
 @pytest.mark.parametrize("base_dtype,param_dtype,quantize_all", [
     (torch.bfloat16, None, False),   # PEFT's default: bf16 base, fp32 adapters, one byte-buffer gather
-    (torch.float16, None, False),
-    (torch.bfloat16, None, True),    # qwZ on every parameter, each quantized in its own dtype
-    (torch.bfloat16, torch.bfloat16, False),  # a MixedPrecisionPolicy makes the unit one dtype again
+    pytest.param(torch.float16, None, False, marks=pytest.mark.slow),
+    pytest.param(torch.bfloat16, None, True, marks=pytest.mark.slow),  # qwZ on every parameter
+    pytest.param(torch.bfloat16, torch.bfloat16, False, marks=pytest.mark.slow),  # one dtype again
 ])
 def test_mixed_dtype_units_gather_each_parameter_in_its_own_dtype(base_dtype, param_dtype, quantize_all) -> None:
     """The first forward's gathers equal, per parameter, dequantize(quantize(shard)) in the
@@ -181,7 +181,8 @@ def _scalar_worker(rank: int, world_size: int, mode: str, micro_steps: int) -> d
             "is_plain_tensor": type(model.temperature) is nn.Parameter}
 
 
-@pytest.mark.parametrize("mode,micro_steps", [("zero3", 1), ("zero3", 2), ("all", 1)])
+@pytest.mark.parametrize("mode,micro_steps", [("zero3", 1), pytest.param("zero3", 2, marks=pytest.mark.slow),
+                                              pytest.param("all", 1, marks=pytest.mark.slow)])
 def test_scalar_parameters_train_as_in_one_process(mode: str, micro_steps: int) -> None:
     """fp32, 2x2, SGD: under ZeRO-3 every parameter, the 0-dim temperature included, equals the
     single-process run within 1e-5 relative after 4 steps (fp32 summation order only; with 2
@@ -234,7 +235,7 @@ def _load_worker(rank: int, world_size: int, mode: str) -> dict:
     return results
 
 
-@pytest.mark.parametrize("mode", [pytest.param(m, marks=[pytest.mark.slow] * (m in ("zero3", "qwz", "qgz")))
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=[pytest.mark.slow] * (m != "all"))
                                   for m in ("zero3", "qwz", "hpz", "qgz", "all")])
 def test_weights_load_at_any_point(mode: str) -> None:
     """After a forward whose backward never ran, after a no_grad forward, or between micro-steps,
@@ -279,6 +280,7 @@ def test_enable_adds_zeropp_to_a_model_sharded_with_fully_shard() -> None:
     assert result["num_qgz"] == 3 and result["hooks"]
 
 
+@pytest.mark.slow
 def test_enable_names_the_fix_when_hpz_was_not_chosen_at_sharding() -> None:
     result = run_distributed(_enable_worker, 4, True, env=TWO_BY_TWO)[0]
     assert "hpz_partition_size=2" in result["error"]
