@@ -19,6 +19,7 @@ _PUBLIC = {
     "ZeroPPEngine": "zeropp.engine",
     "comm_ledger": "zeropp.ledger",
     "enable": "zeropp.sharding",
+    "generation_mode": "zeropp.hpz",
     "initialize": "zeropp.engine",
     "shard": "zeropp.sharding",
     "sharded_comms": "zeropp.sharding",

@@ -14,8 +14,9 @@ name, this file is the only one to change. Verified against torch 2.11 and 2.13
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,6 +38,8 @@ __all__ = [
     "load_state_dict_into",
     "mark_prepared_for_accelerate",
     "register_primary_shards",
+    "secondary_bytes_held",
+    "shard_versions",
     "set_element",
     "set_process_group_timeouts",
     "unit_layout",
@@ -98,6 +101,25 @@ def register_primary_shards(unit: FSDPModule) -> None:
     for fsdp_param in param_group.fsdp_params:
         if fsdp_param.sharded_state is ShardedState.SHARDED_POST_FORWARD:
             fsdp_param._setattr_on_modules(fsdp_param.sharded_param)
+
+
+def _fsdp_params(units: Iterable[FSDPModule]) -> Iterator[Any]:
+    for unit in units:
+        param_group = unit._get_fsdp_state()._fsdp_param_group
+        if param_group is not None:
+            yield from param_group.fsdp_params
+
+
+def shard_versions(units: Iterable[FSDPModule]) -> tuple[int, ...]:
+    """The version counters of the units' primary shards: any in-place change of a shard (an
+    optimizer step, a load, an edit through ``model.parameters()``) bumps one."""
+    return tuple(p.sharded_param._local_tensor._version for p in _fsdp_params(units))
+
+
+def secondary_bytes_held(units: Iterable[FSDPModule]) -> int:
+    """Bytes of post-forward (secondary) shards the units hold right now."""
+    return sum(p._sharded_post_forward_param_data.nbytes for p in _fsdp_params(units)
+               if p.sharded_state is ShardedState.SHARDED_POST_FORWARD)
 
 
 def fsdp_units(model: nn.Module) -> Iterator[FSDPModule]:

@@ -3,18 +3,21 @@
 FSDP2 builds it: ``fully_shard(..., reshard_after_forward=<hpZ size>)`` keeps, after a unit's
 forward, its weights sharded over the ``hpZ size`` ranks of the node instead of the world, so the
 backward all-gather never crosses a node boundary. This module holds what zeropp adds: the size
-check, the hooks that keep the secondary copy from ever being stale, and its memory accounting.
+check, the hooks that keep the secondary copy from ever being stale, its reuse across the
+``no_grad`` forwards of generation (``generation_mode``), and its memory accounting.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from zeropp._fsdp import fsdp_units, register_primary_shards, unit_layout
+from zeropp._fsdp import fsdp_units, register_primary_shards, secondary_bytes_held, shard_versions, unit_layout
 from zeropp.topology import Topology
 
 
@@ -36,20 +39,82 @@ def reshard_after_forward(hpz_partition_size: int) -> bool | int:
     return hpz_partition_size if hpz_partition_size > 1 else True
 
 
+class SecondaryCopies:
+    """hpZ's secondary copies of one sharded model: when they are dropped, and when generation
+    reuses them. See [Note: hpZ secondary copies are never stale] and [Note: generation mode]."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.units = list(fsdp_units(model))
+        self.generating = 0
+        """Open ``generation_mode`` contexts on this model."""
+        self._versions: tuple[int, ...] | None = None
+        """The primary shards' version counters when the copies were last filled by a ``no_grad``
+        forward in generation mode; None when no copy may be reused."""
+
+    def before_forward(self) -> None:
+        if not (self.generating and not torch.is_grad_enabled() and self._reusable()):
+            self.drop()
+
+    def after_forward(self) -> None:
+        for unit in self.units:
+            register_primary_shards(unit)
+        if torch.is_grad_enabled():
+            self._versions = None
+        elif self.generating:
+            self._versions = shard_versions(self.units)
+        else:
+            self.drop()
+
+    def _reusable(self) -> bool:
+        return self._versions is not None and self._versions == shard_versions(self.units)
+
+    def drop(self) -> None:
+        drop_secondary_copies(self.units)
+        self._versions = None
+
+
+_COPIES: weakref.WeakKeyDictionary[nn.Module, SecondaryCopies] = weakref.WeakKeyDictionary()
+
+
 def keep_secondary_copies_fresh(model: nn.Module) -> None:
     """Install the hooks of [Note: hpZ secondary copies are never stale] on a sharded root."""
-    units = list(fsdp_units(model))
-    model.register_forward_pre_hook(lambda *_: drop_secondary_copies(units), prepend=True)
-    model.register_forward_hook(lambda *_: after_root_forward(units))
+    copies = _COPIES[model] = SecondaryCopies(model)
+    model.register_forward_pre_hook(lambda *_: copies.before_forward(), prepend=True)
+    model.register_forward_hook(lambda *_: copies.after_forward())
+    model.register_load_state_dict_pre_hook(lambda *_: copies.drop())
 
 
-def after_root_forward(units: Sequence[FSDPModule]) -> None:
-    """See [Note: hpZ secondary copies are never stale]."""
-    if torch.is_grad_enabled():
-        for unit in units:
-            register_primary_shards(unit)
-    else:
-        drop_secondary_copies(units)
+@contextmanager
+def generation_mode(model: nn.Module) -> Iterator[None]:
+    """[Note: generation mode]
+    Generation (RLHF rollouts, evaluation loops) runs one ``no_grad`` forward per token with the
+    same weights. Inside this context a ``no_grad`` forward keeps each unit's hpZ secondary copy
+    (its weights sharded over the ranks of one node: parameters x bytes / hpZ size per rank) and
+    the next ``no_grad`` forward gathers from it inside the node, so only the first forward
+    crosses nodes (INT8 under qwZ). The copy is dropped, and the next forward gathers across
+    nodes again, the moment the weights can have changed: an optimizer step, a load, any
+    in-place edit (each bumps a primary shard's version counter, checked before every forward), a
+    training (grad-enabled) forward; and when the context exits, which frees it. Needs a model
+    sharded with hpZ (``hpz_partition_size > 1``): without hpZ FSDP2 keeps no copy to reuse.
+    """
+    copies = _COPIES.get(model)
+    if copies is None:
+        raise ValueError(f"generation_mode needs a model sharded with hpZ (hpz_partition_size > 1, or "
+                         f"fully_shard(..., reshard_after_forward=<ranks per node>) and zeropp.enable); "
+                         f"{type(model).__name__} keeps no secondary copy to reuse")
+    copies.generating += 1
+    try:
+        yield
+    finally:
+        copies.generating -= 1
+        if not copies.generating:
+            copies.drop()
+
+
+def held_secondary_copy_bytes(model: nn.Module) -> int:
+    """Bytes of hpZ secondary copies this rank holds right now (0 outside a forward-backward
+    window and outside ``generation_mode``)."""
+    return secondary_bytes_held(fsdp_units(model))
 
 
 def drop_secondary_copies(units: Sequence[FSDPModule]) -> None:

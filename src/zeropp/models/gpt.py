@@ -45,6 +45,25 @@ class GPTConfig:
             )
 
 
+@dataclass
+class KVCache:
+    """One block's keys and values of the tokens seen so far, (B, H, T, C/H) each, for sampling."""
+
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def extend(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new positions; return every position's keys and values."""
+        if self.keys is not None:
+            keys, values = torch.cat([self.keys, keys], dim=2), torch.cat([self.values, values], dim=2)
+        self.keys, self.values = keys, values
+        return keys, values
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention in which position t attends to positions 0..t only."""
 
@@ -54,14 +73,21 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.embed_dim, 3 * config.embed_dim)
         self.proj = nn.Linear(config.embed_dim, config.embed_dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         batch_size, seq_len, embed_dim = x.shape
         # (B, T, 3C) -> three tensors of shape (B, H, T, C/H)
         q, k, v = (
             t.view(batch_size, seq_len, self.num_heads, -1).transpose(1, 2)
             for t in self.qkv(x).split(embed_dim, dim=2)
         )
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        past = 0 if cache is None else cache.length
+        if cache is not None:
+            k, v = cache.extend(k, v)
+        if past == 0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # new position i (at past + i) sees positions 0..past + i
+            visible = torch.ones(seq_len, past + seq_len, dtype=torch.bool, device=x.device).tril(past)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
         return self.proj(y.transpose(1, 2).reshape(batch_size, seq_len, embed_dim))
 
 
@@ -87,8 +113,8 @@ class Block(nn.Module):
         self.mlp_norm = nn.LayerNorm(config.embed_dim)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -108,28 +134,62 @@ class GPT(nn.Module):
         self.apply(_init_weights)
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: list[KVCache] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits (B, T, vocab_size) for token ids ``idx`` (B, T), and the mean cross-entropy
-        against ``targets`` (B, T) when they are given (computed in fp32 whatever the dtype)."""
+        against ``targets`` (B, T) when they are given (computed in fp32 whatever the dtype).
+        With ``cache`` (one ``KVCache`` per block), ``idx`` continues the cached tokens."""
+        past = 0 if cache is None else cache[0].length
         seq_len = idx.shape[1]
-        if seq_len > self.config.context_length:
+        if past + seq_len > self.config.context_length:
             raise ValueError(
-                f"sequence length {seq_len} exceeds context_length={self.config.context_length}"
+                f"sequence length {past + seq_len} exceeds context_length={self.config.context_length}"
             )
-        positions = torch.arange(seq_len, device=idx.device)
+        positions = torch.arange(past, past + seq_len, device=idx.device)
         x = self.token_embedding(idx) + self.position_embedding(positions)
-        for block in self.blocks:
-            x = block(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x) if cache is None else block(x, cache[i])
         logits = self.lm_head(self.final_norm(x))
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         return logits, loss
 
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Continue ``prompt`` (B, T) by ``max_new_tokens`` sampled tokens; returns (B, T + new).
+
+        One forward over the prompt fills a KV cache, then one single-token forward per new token.
+        ``temperature`` 0 is greedy decoding; ``top_k`` keeps the k likeliest tokens. On a
+        sharded model every rank must call it with the same ``max_new_tokens`` (each forward
+        gathers weights collectively)."""
+        if prompt.shape[1] + max_new_tokens > self.config.context_length:
+            raise ValueError(f"prompt length {prompt.shape[1]} + max_new_tokens={max_new_tokens} exceeds "
+                             f"context_length={self.config.context_length}")
+        cache = [KVCache() for _ in self.blocks]
+        tokens, step_input = prompt, prompt
+        for _ in range(max_new_tokens):
+            logits, _ = self(step_input, cache=cache)
+            step_input = _sample(logits[:, -1].float(), temperature, top_k, generator)
+            tokens = torch.cat([tokens, step_input], dim=1)
+        return tokens
+
     def num_parameters(self) -> int:
         """Number of distinct parameter elements (a tied matrix counts once)."""
         return sum(p.numel() for p in self.parameters())
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_k: int | None,
+            generator: torch.Generator | None) -> torch.Tensor:
+    """One token id per row (B, 1) from last-position logits (B, vocab)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
 
 
 def _init_weights(module: nn.Module) -> None:
