@@ -27,6 +27,8 @@ COMMANDS: dict[str, Command] = {
     "converge": Command("zeropp.bench.converge", "add_arguments", "loss curves of every mode on Shakespeare"),
     "finetune": Command("zeropp.bench.finetune", "add_arguments",
                         "fine-tune SmolLM2-135M under ZeRO-3 and ZeRO++"),
+    "rlhf": Command("zeropp.bench.rlhf", "add_arguments",
+                    "an RLHF loop (sample, reward, REINFORCE step) under ZeRO-3 and ZeRO++"),
     "checkpoint": Command("zeropp.checkpoint_tools", "add_arguments",
                           "inspect or consolidate a zeropp checkpoint"),
     "cluster": Command("zeropp.cluster.cli", "add_cluster_arguments",
