@@ -184,3 +184,23 @@ def test_hf_generate_on_a_sharded_llama() -> None:
     pytest.importorskip("transformers")
     results = run_distributed(_hf_worker, 4, "hpz", env=TWO_BY_TWO)
     assert all(r["plain"] and r["reused"] for r in results), results
+
+
+@pytest.mark.slow
+def test_bench_generate_on_the_emulated_cluster(tmp_path) -> None:
+    """A tiny ``zeropp bench generate`` at unlimited bandwidth: every mode reports tokens/s, and
+    in generation mode all three send at most 0.1x ZeRO-3's cross-node bytes per token (the
+    weights cross once per generation, INT8)."""
+    from zeropp.bench import generate
+    from zeropp.cluster import check_support
+    from zeropp.cluster.netns import list_namespaces
+
+    reason = check_support()
+    if reason is not None or list_namespaces():
+        pytest.skip(reason or "another emulated cluster is up")
+    config = generate.GenerateConfig(repeats=1, new_tokens=6, num_layers=1, embed_dim=64)
+    results = generate.run(str(tmp_path), bandwidths=("unlimited",), config=config)["bandwidths"]["unlimited"]
+    assert set(results) == set(generate.GENERATE_MODES)
+    assert all(r["tokens_per_s"] > 0 for r in results.values())
+    assert results["all"]["cross_node_bytes_per_token"] <= 0.1 * results["zero3"]["cross_node_bytes_per_token"]
+    assert (tmp_path / "bench_generate.png").stat().st_size > 0

@@ -305,3 +305,29 @@ def test_a_dtype_the_codec_cannot_take_is_refused_by_name() -> None:
 def test_enable_refuses_a_bare_model() -> None:
     with pytest.raises(RuntimeError, match="init_process_group"):
         zeropp.enable(make_model("gpt"))
+
+
+def _engine_scalar_worker(rank: int, world_size: int) -> dict:
+    model = WithTemperature()
+    with torch.no_grad():
+        model.temperature.fill_(0.05)  # sharp logits: the temperature's gradient is a large part of the norm
+    reference = reference_copy(model)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1e-3,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_optimization": {"stage": 3}}
+    engine, *_ = zeropp.initialize(model=model, config=config)
+    x, y = global_batch(0, 8)
+    engine.backward(engine(rows(x, rank, world_size), rows(y, rank, world_size))[1])
+    engine.step()
+    reference(x, y)[1].backward()
+    expected = torch.sqrt(sum(p.grad.double().square().sum() for p in reference.parameters())).item()
+    share = reference.temperature.grad.abs().item() / expected
+    return {"norm": engine.last_grad_norm, "expected": expected, "temperature_share": share}
+
+
+def test_engine_clips_with_scalars_counted_once() -> None:
+    """zeropp.initialize on a model with a 0-dim parameter: the global gradient norm it clips
+    with equals the single-process norm (the replicated scalar's gradient counted once, not once
+    per rank) within fp32 summation error."""
+    result = run_distributed(_engine_scalar_worker, 4, env=TWO_BY_TWO)[0]
+    assert result["temperature_share"] >= 0.01, result  # counted 4 times, it would move the norm visibly
+    assert abs(result["norm"] - result["expected"]) <= 1e-5 * result["expected"], result

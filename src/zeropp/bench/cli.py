@@ -1,4 +1,4 @@
-"""``zeropp bench quant|comm|step``: the benchmarks' command-line options."""
+"""``zeropp bench quant|comm|step|generate``: the benchmarks' command-line options."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from zeropp.modes import MODES, parse_modes
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``zeropp bench``'s options; each benchmark takes the ones it names."""
-    parser.add_argument("what", choices=["quant", "comm", "step"])
+    parser.add_argument("what", choices=["quant", "comm", "step", "generate"])
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--quick", action="store_true", help="comm/step: a tiny model, one step (smoke run)")
     parser.add_argument("--modes", type=lambda text: parse_modes(text, MODES), default=None,
@@ -29,6 +29,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         from zeropp.bench import quant
 
         quant.run(out_dir=args.out)
+    elif args.what == "generate":
+        from zeropp.bench import generate
+
+        generate.run(out_dir=args.out, **({"bandwidths": args.bandwidths} if args.bandwidths else {}))
     elif args.what == "comm":
         from zeropp.bench import comm
 
