@@ -21,6 +21,7 @@ import zeropp
 from zeropp.cluster.launch import launch_local
 from zeropp.comms import all_reduce_mean
 from zeropp.data import CharCorpus
+from zeropp.jobs import run_rank_job
 from zeropp.models import GPT, GPTConfig
 from zeropp.modes import MODES, check_modes, parse_modes, zeropp_modes
 
@@ -179,17 +180,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     """One rank of a demo run (``zeropp demo`` launches it under torchrun)."""
-    parser = argparse.ArgumentParser(description="zeropp demo training job (run under torchrun)")
-    parser.add_argument("--run-dir", type=Path, required=True)
-    for name, default in asdict(DemoConfig()).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
-    args = vars(parser.parse_args(argv))
-    run_dir = args.pop("run_dir")
-    dist.init_process_group("gloo")  # the demo model lives on the CPU
-    try:
-        train(DemoConfig(**args), run_dir)
-    finally:
-        dist.destroy_process_group()
+    run_rank_job("zeropp demo training job (run under torchrun)", DemoConfig, train, argv)
 
 
 if __name__ == "__main__":

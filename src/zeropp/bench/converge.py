@@ -34,6 +34,7 @@ from tqdm import tqdm
 from zeropp.cluster.launch import launch_local
 from zeropp.data import CharCorpus
 from zeropp.demo import DemoConfig
+from zeropp.jobs import config_flags
 from zeropp.models import GPT, GPTConfig
 from zeropp.modes import BASELINE, MODES, check_modes, parse_modes, zeropp_modes
 
@@ -102,10 +103,7 @@ def _resumable_results(path: Path, settings: DemoConfig, num_nodes: int, ranks_p
 
 def _train_mode(config: DemoConfig, run_dir: Path, num_nodes: int, ranks_per_node: int) -> list[dict]:
     """One ``zeropp.demo`` job under torchrun; its per-step records."""
-    args = ["--run-dir", str(run_dir)]
-    for name, value in dataclasses.asdict(config).items():
-        args += [f"--{name.replace('_', '-')}", str(value)]
-    code = launch_local("zeropp.demo", args, num_nodes, ranks_per_node)
+    code = launch_local("zeropp.demo", ["--run-dir", str(run_dir), *config_flags(config)], num_nodes, ranks_per_node)
     if code != 0:
         raise RuntimeError(f"mode {config.mode!r} failed (torchrun exit code {code}); "
                            f"its output is above, its run directory {run_dir}")

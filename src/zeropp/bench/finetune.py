@@ -43,6 +43,7 @@ import zeropp
 from zeropp.cluster.launch import launch_local
 from zeropp.comms import all_reduce_mean
 from zeropp.data.corpus import VALIDATION_FRACTION_PERCENT, _step_seed, shakespeare_text
+from zeropp.jobs import add_config_flags, config_flags
 from zeropp.modes import MODES as SHARDING_MODES
 from zeropp.modes import check_modes, parse_modes
 
@@ -304,9 +305,7 @@ def _resumable(path: Path, wanted: dict[str, Any]) -> dict[str, Any]:
 
 def _train_mode(config: FinetuneConfig, runs_dir: Path, num_nodes: int, ranks_per_node: int) -> list[dict]:
     run_dir = runs_dir / config.mode
-    args = ["--data-dir", str(runs_dir), "--run-dir", str(run_dir)]
-    for name, value in dataclasses.asdict(config).items():
-        args += [f"--{name.replace('_', '-')}", str(value)]
+    args = ["--data-dir", str(runs_dir), "--run-dir", str(run_dir), *config_flags(config)]
     code = launch_local("zeropp.bench.finetune", args, num_nodes, ranks_per_node)
     if code != 0:
         raise RuntimeError(f"mode {config.mode!r} failed (torchrun exit code {code}); its output is above")
@@ -317,9 +316,7 @@ def _train_mode(config: FinetuneConfig, runs_dir: Path, num_nodes: int, ranks_pe
 def _check_logits(config: FinetuneConfig, runs_dir: Path, num_nodes: int, ranks_per_node: int) -> dict[str, Any]:
     """``check_logits`` on every rank, merged: the largest difference, the mean losses."""
     run_dir = runs_dir / "logits_check"
-    args = ["--check-logits", "--data-dir", str(runs_dir), "--run-dir", str(run_dir)]
-    for name, value in dataclasses.asdict(config).items():
-        args += [f"--{name.replace('_', '-')}", str(value)]
+    args = ["--check-logits", "--data-dir", str(runs_dir), "--run-dir", str(run_dir), *config_flags(config)]
     code = launch_local("zeropp.bench.finetune", args, num_nodes, ranks_per_node)
     if code != 0:
         raise RuntimeError(f"the logits check failed (torchrun exit code {code}); its output is above")
@@ -428,8 +425,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data-dir", type=Path, required=True)
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--check-logits", action="store_true", help="compare sharded with unsharded logits")
-    for name, default in dataclasses.asdict(FinetuneConfig()).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
+    add_config_flags(parser, FinetuneConfig)
     args = vars(parser.parse_args(argv))
     data_dir, run_dir, check = args.pop("data_dir"), args.pop("run_dir"), args.pop("check_logits")
     dist.init_process_group("gloo")

@@ -29,6 +29,7 @@ import zeropp
 from zeropp.cluster.launch import launch_local
 from zeropp.comms import all_reduce_mean
 from zeropp.data import CharCorpus
+from zeropp.jobs import config_flags, run_rank_job
 from zeropp.models import GPT, GPTConfig
 from zeropp.modes import MODES, parse_modes, zeropp_modes
 
@@ -111,9 +112,7 @@ def run(out_dir: str | Path = "benchmarks/results", *, modes: tuple[str, ...] = 
     results["settings"].pop("mode")
     for mode in modes:
         run_dir = Path(runs_dir) / mode
-        args = ["--run-dir", str(run_dir)]
-        for name, value in asdict(RLHFConfig(mode=mode, **settings)).items():
-            args += [f"--{name.replace('_', '-')}", str(value)]
+        args = ["--run-dir", str(run_dir), *config_flags(RLHFConfig(mode=mode, **settings))]
         code = launch_local("zeropp.bench.rlhf", args, num_nodes, ranks_per_node)
         if code:
             raise RuntimeError(f"mode {mode!r} failed (torchrun exit code {code}); its output is above")
@@ -183,17 +182,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     """One rank of a run (``zeropp rlhf`` launches it under torchrun)."""
-    parser = argparse.ArgumentParser(description="zeropp RLHF job (run under torchrun)")
-    parser.add_argument("--run-dir", type=Path, required=True)
-    for name, default in asdict(RLHFConfig()).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
-    args = vars(parser.parse_args(argv))
-    run_dir = args.pop("run_dir")
-    dist.init_process_group("gloo")
-    try:
-        train(RLHFConfig(**args), run_dir)
-    finally:
-        dist.destroy_process_group()
+    run_rank_job("zeropp RLHF job (run under torchrun)", RLHFConfig, train, argv)
 
 
 if __name__ == "__main__":
