@@ -113,7 +113,8 @@ def _fsdp_params(units: Iterable[FSDPModule]) -> Iterator[Any]:
 def shard_versions(units: Iterable[FSDPModule]) -> tuple[int, ...]:
     """The version counters of the units' primary shards: any in-place change of a shard (an
     optimizer step, a load, an edit through ``model.parameters()``) bumps one."""
-    return tuple(p.sharded_param._local_tensor._version for p in _fsdp_params(units))
+    # the DTensor's own counter: in-place ops through DTensor dispatch do not bump its local tensor's
+    return tuple(p.sharded_param._version for p in _fsdp_params(units))
 
 
 def secondary_bytes_held(units: Iterable[FSDPModule]) -> int:
