@@ -3,9 +3,8 @@
 On 2 nodes x 2 ranks at each inter-node bandwidth, one job per bandwidth samples completions with
 the demo GPT's KV-cache sampler under each mode, in turns: ZeRO-3, qwZ, hpZ and all three (the
 hpZ modes inside ``zeropp.generation_mode``: the weights cross nodes once per generation, then
-every token's forward gathers inside the node); mode ``deepspeed`` (DeepSpeed ZeRO-3 calling the
-GPT's ``generate`` through ``engine.module``, as a DeepSpeed user would) can be asked for, but
-its job does not finish on CPU/gloo yet, so it is not in the default set. Per mode: tokens per second over all
+every token's forward gathers inside the node), and DeepSpeed ZeRO-3 when installed (the GPT's
+``generate`` called through ``engine.module``, as a DeepSpeed user would). Per mode: tokens per second over all
 ranks (the slowest rank's time), cross-node bytes per generated token (the ledger's backend
 figure over all ranks; DeepSpeed's bypass the ledger), and one RLHF-style iteration (generate,
 then one REINFORCE step: ``zeropp.bench.rlhf``) split into generation and training time.
@@ -163,9 +162,10 @@ def run(out_dir: str = "benchmarks/results", *, bandwidths: tuple[str, ...] = BA
         config: GenerateConfig | None = None) -> dict[str, Any]:
     """One cluster job per bandwidth; write the JSON and PNG, print the table."""
     from zeropp.bench.comm import NUM_NODES, RANKS_PER_NODE, exclusive_cluster, machine_info
+    from zeropp.bench.step import deepspeed_available
     from zeropp.cluster import launch
 
-    config = config or GenerateConfig()
+    config = config or GenerateConfig(modes=GENERATE_MODES + (("deepspeed",) if deepspeed_available() else ()))
     results: dict[str, Any] = {"machine": machine_info(torch.device("cpu")), "config": asdict(config), "bandwidths": {}}
     for bandwidth in bandwidths:
         limit = None if bandwidth == "unlimited" else bandwidth
