@@ -206,6 +206,7 @@ def _no_grad_then_train_worker(rank: int, world_size: int, micro_steps: int) -> 
     return {"error": _max_rel(_full(models["hpz"]), _full(models["zero3"]))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("micro_steps", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_no_grad_forwards_then_training_and_accumulation_with_hpz(micro_steps: int) -> None:
     """DeepSpeed: NaN / zero loss from a race between building hpZ's secondary copy and the next
@@ -306,6 +307,7 @@ def _gradient_scale_worker(rank: int, world_size: int) -> dict:
     return {"ratios": ratios, "dims": {n: g.dim() for n, g in grads["zero3"].items()}}
 
 
+@pytest.mark.slow
 def test_qgz_gradient_scale_matches_zero3_for_every_shape() -> None:
     """DeepSpeed's qgZ returns the sum over ranks divided by the number of nodes while 1-D tensors
     (its fallback path) get the true mean: gradient scales differ by ranks-per-node between

@@ -65,7 +65,11 @@ def _generate_worker(rank: int, world_size: int, mode: str, use_generation_mode:
     return {"equal": torch.equal(tokens, expected), "cross_node_bytes": gathers["cross_node_bytes"]}
 
 
-@pytest.mark.parametrize("mode,use_generation_mode", [("zero3", False), ("hpz", True), ("all", True)])
+@pytest.mark.parametrize("mode,use_generation_mode", [
+    ("zero3", False),
+    pytest.param("hpz", True, marks=pytest.mark.slow),
+    pytest.param("all", True, marks=pytest.mark.slow),
+])
 def test_sharded_greedy_tokens_equal_the_unsharded_model(mode: str, use_generation_mode: bool) -> None:
     """fp32 greedy decoding, 8 new tokens per row, 4 ranks (2x2), each with its own prompts:
     ZeRO-3 and hpZ in generation mode give exactly the unsharded model's tokens; all three
@@ -155,6 +159,7 @@ def _no_hpz_worker(rank: int, world_size: int) -> str:
     return "no error"
 
 
+@pytest.mark.slow
 def test_generation_mode_without_hpz_says_what_is_needed() -> None:
     message = run_distributed(_no_hpz_worker, 4, env=TWO_BY_TWO)[0]
     assert "hpz_partition_size > 1" in message
@@ -178,6 +183,7 @@ def _hf_worker(rank: int, world_size: int, mode: str) -> dict:
     return {"plain": torch.equal(plain, expected), "reused": torch.equal(reused, expected)}
 
 
+@pytest.mark.slow
 def test_hf_generate_on_a_sharded_llama() -> None:
     """HF ``generate`` (greedy, DynamicCache) on a tiny random LlamaForCausalLM sharded with
     hpZ, fp32: the unsharded model's tokens, with and without generation mode."""

@@ -237,6 +237,7 @@ def _load_worker(rank: int, world_size: int, mode: str) -> dict:
 
 @pytest.mark.parametrize("mode", [pytest.param(m, marks=[pytest.mark.slow] * (m != "all"))
                                   for m in ("zero3", "qwz", "hpz", "qgz", "all")])
+@pytest.mark.slow
 def test_weights_load_at_any_point(mode: str) -> None:
     """After a forward whose backward never ran, after a no_grad forward, or between micro-steps,
     loading other weights makes the next forward compute exactly what a model sharded with those
@@ -296,6 +297,7 @@ def _refusal_worker(rank: int, world_size: int) -> str:
     return "no error"
 
 
+@pytest.mark.slow
 def test_a_dtype_the_codec_cannot_take_is_refused_by_name() -> None:
     message = run_distributed(_refusal_worker, 2)[0]
     assert "'weight'" in message and "(4, 4)" in message and "torch.float64" in message
@@ -324,6 +326,7 @@ def _engine_scalar_worker(rank: int, world_size: int) -> dict:
     return {"norm": engine.last_grad_norm, "expected": expected, "temperature_share": share}
 
 
+@pytest.mark.slow
 def test_engine_clips_with_scalars_counted_once() -> None:
     """zeropp.initialize on a model with a 0-dim parameter: the global gradient norm it clips
     with equals the single-process norm (the replicated scalar's gradient counted once, not once
