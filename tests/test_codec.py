@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -94,3 +96,63 @@ def test_byte_mode_codes_each_segment_in_its_own_dtype() -> None:
             assert torch.equal(decoded, expected)
     with pytest.raises(ValueError, match="every segment's dtype"):
         ChunkCodec([Segment(4, 8, torch.float32), Segment(4, 8)], 32, torch.uint8)
+
+
+def _random_layouts(count: int) -> list[tuple[list[Segment], int, torch.dtype, int]]:
+    """Chunk layouts that exercise the one-pass codec: empty, tiny, block-aligned and ragged
+    segments, raw ones between quantized ones, both code widths, every input dtype."""
+    rng = random.Random(0)
+    layouts = []
+    for _ in range(count):
+        block_size, bits = rng.choice([8, 32, 256]), rng.choice([4, 8])
+        dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16])
+        sizes = [0, 1, 2, 3, 7, block_size, 2 * block_size, 3 * block_size + 1, rng.randint(0, 700)]
+        segments = [Segment(rng.choice(sizes), bits if rng.random() < 0.7 else None)
+                    for _ in range(rng.randint(1, 8))]
+        segments.append(Segment(rng.randint(1, 300), bits))
+        layouts.append((segments, block_size, dtype, rng.randint(1, 4)))
+    return layouts
+
+
+@pytest.mark.parametrize(("segments", "block_size", "dtype", "rows"), _random_layouts(60))
+def test_one_pass_codec_is_bit_identical_to_per_segment(segments: list[Segment], block_size: int,
+                                                        dtype: torch.dtype, rows: int) -> None:
+    codec = ChunkCodec(segments, block_size, dtype)
+    assert codec._plan is not None
+    generator = torch.Generator().manual_seed(len(segments) * block_size)
+    magnitudes = torch.rand(rows, codec.numel, generator=generator).pow(4) * 10
+    chunks = (torch.randn(rows, codec.numel, generator=generator) * magnitudes).to(dtype)
+    chunks[0, codec.numel // 2] = float("nan")  # a non-finite block
+    chunks[-1, :40] = 0  # zero blocks
+    chunks[-1, 40:44] = 1e-41  # subnormal scales
+    reference, one_pass = (torch.zeros(rows, codec.nbytes + 8, dtype=torch.uint8) for _ in range(2))
+    codec.encode_segments(chunks, reference[:, 4:-4])
+    codec.encode(chunks, one_pass[:, 4:-4])  # strided rows, as in a comm buffer
+    assert torch.equal(one_pass, reference)
+    decoded_reference, decoded = (torch.empty(rows, codec.numel + 2, dtype=dtype) for _ in range(2))
+    codec.decode_segments(reference[:, 4:-4], decoded_reference[:, 1:-1])
+    codec.decode(reference[:, 4:-4], decoded[:, 1:-1])
+    # compared as bytes, so NaNs compare too
+    assert torch.equal(decoded[:, 1:-1].view(torch.uint8), decoded_reference[:, 1:-1].view(torch.uint8))
+
+
+def test_byte_mode_and_mixed_width_chunks_take_the_per_segment_path() -> None:
+    assert ChunkCodec([Segment(64, 8, torch.bfloat16), Segment(8, None, torch.float32)], 32, torch.uint8)._plan is None
+    assert ChunkCodec([Segment(64, 8), Segment(64, 4)], 32, torch.float32)._plan is None
+    assert ChunkCodec([Segment(64, 8), Segment(64, None)], 32, torch.float32)._plan is not None
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_one_pass_codec_takes_chunks_of_another_dtype(raw: bool) -> None:
+    """qgZ's codec is fp32 and may be handed bf16 gradients: the one-pass path codes them as the
+    per-segment path does, or leaves them to it where raw segments would need the codec's dtype."""
+    codec = ChunkCodec([Segment(37, 4), Segment(5, None if raw else 4), Segment(64, 4)], 32, torch.float32)
+    chunks = torch.randn(2, codec.numel, generator=torch.Generator().manual_seed(1)).bfloat16()
+    reference, one_pass = (torch.zeros(2, codec.nbytes, dtype=torch.uint8) for _ in range(2))
+    codec.encode_segments(chunks, reference)
+    codec.encode(chunks, one_pass)
+    assert torch.equal(one_pass, reference)
+    decoded_reference, decoded = (torch.empty(2, codec.numel, dtype=torch.bfloat16) for _ in range(2))
+    codec.decode_segments(reference, decoded_reference)
+    codec.decode(reference, decoded)
+    assert torch.equal(decoded, decoded_reference)
