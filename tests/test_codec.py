@@ -142,11 +142,10 @@ def test_byte_mode_and_mixed_width_chunks_take_the_per_segment_path() -> None:
     assert ChunkCodec([Segment(64, 8), Segment(64, None)], 32, torch.float32)._plan is not None
 
 
-@pytest.mark.parametrize("raw", [False, True])
-def test_one_pass_codec_takes_chunks_of_another_dtype(raw: bool) -> None:
+def test_one_pass_codec_takes_chunks_of_another_dtype() -> None:
     """qgZ's codec is fp32 and may be handed bf16 gradients: the one-pass path codes them as the
-    per-segment path does, or leaves them to it where raw segments would need the codec's dtype."""
-    codec = ChunkCodec([Segment(37, 4), Segment(5, None if raw else 4), Segment(64, 4)], 32, torch.float32)
+    per-segment path does."""
+    codec = ChunkCodec([Segment(37, 4), Segment(5, 4), Segment(64, 4)], 32, torch.float32)
     chunks = torch.randn(2, codec.numel, generator=torch.Generator().manual_seed(1)).bfloat16()
     reference, one_pass = (torch.zeros(2, codec.nbytes, dtype=torch.uint8) for _ in range(2))
     codec.encode_segments(chunks, reference)
