@@ -4,6 +4,7 @@ namespaces are permitted, one tiny job on the cluster whose wire bytes must matc
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 
@@ -42,7 +43,7 @@ def test_worker_config_rejects(changes: dict, message: str) -> None:
 
 
 def _run_tiny(rank: int, world_size: int) -> dict | None:
-    return run(TINY)
+    return run(replace(TINY, unit_comm_calls=2))
 
 
 @pytest.mark.slow
@@ -73,6 +74,13 @@ def test_worker_record_on_local_ranks() -> None:
     assert techniques["hpZ"]["cross_node_bytes"] == 0
     total = sum(r["total"]["cross_node_bytes"] for r in every["ledger_per_step"])
     assert total < 0.25 * sum(r["total"]["cross_node_bytes"] for r in zero3["ledger_per_step"])
+    # the unit comm timings: one layer, so the one unit is the root, every parameter in 4 chunks
+    # (every dim 0 divides by the world size: no padding)
+    units = record["unit_comms"]
+    assert units["parameters"] == 17 and units["calls"] == 2 and units["gather_dtype"] == "bfloat16"
+    assert units["chunk_numel"] == num_params // 4
+    assert all(t > 0 for t in units["median_s"].values())
+    assert units["all_gather_ratio"] == units["median_s"]["qwz_all_gather"] / units["median_s"]["plain_all_gather"]
 
 
 PEER = replace(TINY, modes=("zero3", "deepspeed"), steps=3, param_dtype="float32", lr=1e-2)
@@ -130,6 +138,32 @@ def test_ledger_backend_figure_matches_the_measured_gloo_ops(op, kind, per_peer,
         ledgers.append(ledger.summary()["total"])
     assert sum(t["cross_node_bytes"] for t in ledgers) == direct_cross
     assert sum(t["backend_cross_node_bytes"] for t in ledgers) == backend_cross
+
+
+def test_combined_ledger_sums_every_rank() -> None:
+    """The demo's table: rank 0 alone sees no backend cross-node bytes for a ring all-gather (it
+    sends only to its node neighbour), the ledger combined from every rank's export counts the
+    ring's crossing edges, and its totals and rows are the sums of the ranks' own."""
+    exports = []
+    for rank in range(4):
+        ledger = CommLedger()
+        for _ in range(3):
+            ledger.record(Op.ALL_GATHER, GroupInfo.of(TOPOLOGY, [0, 1, 2, 3], rank, "gloo"), 100, torch.int8, "qwZ")
+            intra = [rank // 2 * 2, rank // 2 * 2 + 1]
+            ledger.record(Op.ALL_GATHER, GroupInfo.of(TOPOLOGY, intra, rank, "gloo"), 40, torch.float32, "hpZ")
+            ledger.step()
+        exports.append(json.loads(json.dumps(ledger.export())))  # as gathered between processes
+    assert exports[0]["rows"][0]["backend_cross_node_bytes"] == 0
+    combined = CommLedger.combined(exports)
+    assert combined.num_steps == 3 and combined.ranks == 4
+    for count in ("calls", "bytes", "cross_node_bytes", "backend_bytes", "backend_cross_node_bytes"):
+        assert combined.summary()["total"][count] == sum(sum(r[count] for r in e["rows"]) for e in exports)
+        assert combined.summary(technique="hpZ")["total"][count] == sum(
+            r[count] for e in exports for r in e["rows"] if r["technique"] == "hpZ")
+    assert combined.summary()["total"]["backend_cross_node_bytes"] == 3 * 6 * 100  # the ring's 6c per call
+    assert "summed over all 4 ranks" in combined.table() and "this rank" in CommLedger().table()
+    with pytest.raises(ValueError, match="different numbers of steps \\[2, 3\\]"):
+        CommLedger.combined([exports[0], {**exports[1], "num_steps": 2}])
 
 
 def test_ledger_backend_figure_is_the_direct_sends_for_other_backends() -> None:

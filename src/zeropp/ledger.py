@@ -24,7 +24,7 @@ a device, so counting does not destroy overlap.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
@@ -137,6 +137,8 @@ class CommLedger:
         self._totals: dict[_Key, _Totals] = defaultdict(_Totals)
         self.num_steps = 0
         self._suspended = False
+        self.ranks = 1
+        """How many ranks' records this ledger sums (1: this process's own; see ``combined``)."""
 
     @contextmanager
     def suspended(self) -> Iterator[None]:
@@ -172,6 +174,30 @@ class CommLedger:
     def reset(self) -> None:
         self._totals.clear()
         self.num_steps = 0
+
+    def export(self) -> dict[str, Any]:
+        """This ledger as JSON-able data (for gathering every rank's at one place)."""
+        return {"num_steps": self.num_steps, "rows": self.rows()}
+
+    @classmethod
+    def combined(cls, exports: Sequence[dict[str, Any]]) -> CommLedger:
+        """One ledger holding the sum of several (``export``) ledgers, e.g. every rank's, so
+        that bytes a rank's own view leaves out (the cross-node edges of a ring in which this
+        rank only talks to its node neighbour) are counted. Its ``num_steps`` is the ranks'
+        (they must agree: every rank marks the same steps)."""
+        steps = {export["num_steps"] for export in exports}
+        if len(steps) != 1:
+            raise ValueError(f"the ledgers marked different numbers of steps {sorted(steps)}; combine ledgers "
+                             "of the same steps (one per rank)")
+        ledger = cls()
+        ledger.num_steps = steps.pop()
+        ledger.ranks = len(exports)
+        for export in exports:
+            for row in export["rows"]:
+                key = _Key(Op(row["op"]), GroupKind(row["kind"]), row["group_size"], row["dtype"], row["phase"],
+                           row["technique"])
+                ledger._totals[key].add(_Totals(*(row[count] for count in COUNTS)))
+        return ledger
 
     def summary(self, **match: str) -> dict[str, Any]:
         """Totals, by op and by group kind; ``match`` filters records (e.g. ``phase="backward"``).
@@ -214,7 +240,8 @@ class CommLedger:
         steps = max(self.num_steps, 1)
         header = f"{'phase':<9}{'op':<15}{'group':<7}{'size':>5} {'dtype':<9}{'technique':<11}" \
                  f"{'calls':>7}{'MB sent':>10}{'MB x-node':>11}{'backend x-node':>15}"
-        lines = [f"communication per step (this rank, {steps} step(s) averaged; MB sent and x-node: "
+        whose = "this rank" if self.ranks == 1 else f"summed over all {self.ranks} ranks"
+        lines = [f"communication per step ({whose}, {steps} step(s) averaged; MB sent and x-node: "
                  "direct sends; backend x-node: what the backend's algorithm sends across nodes)", header]
         t = self.summary()["total"]
         for r in [*self.rows(), {**t, "phase": "total", "op": "", "kind": "", "group_size": "",

@@ -1,4 +1,4 @@
-"""``zeropp bench quant|comm|step|generate``: the benchmarks' command-line options."""
+"""``zeropp bench quant|comm|step|generate|overhead``: the benchmarks' command-line options."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from zeropp.modes import MODES, parse_modes
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``zeropp bench``'s options; each benchmark takes the ones it names."""
-    parser.add_argument("what", choices=["quant", "comm", "step", "generate"])
+    parser.add_argument("what", choices=["quant", "comm", "step", "generate", "overhead"])
     parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--quick", action="store_true", help="comm/step: a tiny model, one step (smoke run)")
+    parser.add_argument("--quick", action="store_true",
+                        help="comm/step/overhead: a tiny model or few steps (smoke run)")
     parser.add_argument("--modes", type=lambda text: parse_modes(text, MODES), default=None,
                         help=f"comm/step: comma-separated modes (default: {','.join(BENCH_MODES)}; step adds "
                              "'deepspeed' when DeepSpeed is installed)")
@@ -20,6 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="step: comma-separated inter-node rates (default: unlimited,1gbit,100mbit)")
     parser.add_argument("--param-dtype", choices=["bfloat16", "float32"], default="bfloat16",
                         help="step: dtype of compute and weight gathers (float32 on CPUs without fast bf16)")
+    parser.add_argument("--models", type=lambda text: tuple(text.split(",")), default=None,
+                        help="overhead: comma-separated, from demo, gpt_6x96, gpt_25m (default: all three)")
     parser.set_defaults(func=run_from_args)
 
 
@@ -33,6 +36,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         from zeropp.bench import generate
 
         generate.run(out_dir=args.out, **({"bandwidths": args.bandwidths} if args.bandwidths else {}))
+    elif args.what == "overhead":
+        from zeropp.bench import overhead
+
+        overhead.run(out_dir=args.out, quick=args.quick, **({"models": args.models} if args.models else {}))
     elif args.what == "comm":
         from zeropp.bench import comm
 

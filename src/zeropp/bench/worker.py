@@ -46,12 +46,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import zeropp
+from zeropp._fsdp import unit_layout
 from zeropp.comms import CountingAllGather, CountingReduceScatter, all_gather_strings
 from zeropp.data import CharCorpus
 from zeropp.hpz import secondary_copy_bytes
 from zeropp.ledger import COUNTS, GroupInfo, Op
 from zeropp.models import GPT, GPTConfig
-from zeropp.modes import MODES, System, check_modes
+from zeropp.modes import BASELINE, MODES, System, check_modes
 from zeropp.sharding import select_units
 
 BENCH_MODES = ("zero3", "hsdp", "qwz", "hpz", "qgz", "all")
@@ -85,6 +86,10 @@ class WorkerConfig:
     seed: int = 0
     wire: bool = False
     """Read the emulated cluster's link counters and each node's loopback around every timed step."""
+    unit_comm_calls: int = 0
+    """After training, time this many calls of each comm on one transformer block's unit: the
+    quantized all-gather (qwZ) and reduce-scatter (qgZ) of mode ``all`` against the plain ones
+    of ``zero3`` (needs both modes)."""
 
     def __post_init__(self) -> None:
         check_modes(self.modes, MODES)
@@ -332,6 +337,7 @@ def run(config: WorkerConfig) -> dict[str, Any] | None:
                 for mode, model in models.items()}
     windows = {mode: Window(topology, config.wire) for mode in config.modes}
     results = train_interleaved(trainers, windows, config)
+    unit_comms = time_unit_comms(models, config.unit_comm_calls) if config.unit_comm_calls else None
     mine = {mode: {**results[mode], "ledger": windows[mode].ledger_per_step(config.steps),
                    "secondary_copy_bytes": secondary_copy_bytes(models[mode])} for mode in config.modes}
     ranks = gather_json({"modes": mine, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
@@ -342,10 +348,57 @@ def run(config: WorkerConfig) -> dict[str, Any] | None:
         "topology": {"num_nodes": topology.num_nodes, "ranks_per_node": topology.ranks_per_node,
                      "world_size": topology.world_size},
         "num_parameters": sum(p.numel() for p in next(iter(models.values())).parameters()),
+        "unit_comms": unit_comms,
         "peak_rss_mb": [r["peak_rss_mb"] for r in ranks],
         "modes": {mode: mode_record(mode, [r["modes"][mode] for r in ranks], windows[mode], config.steps)
                   for mode in config.modes},
     }
+
+
+def time_unit_comms(models: dict[str, nn.Module], calls: int) -> dict[str, Any]:
+    """Median time (slowest rank) of one call of each comm of the first transformer block's unit
+    (the root's where the blocks are not units of their own):
+    ``all``'s quantized all-gather (qwZ, world group) and two-hop reduce-scatter (qgZ) against
+    ``zero3``'s plain ones, on the same unit, sizes and dtypes, the four calls interleaved."""
+    if not {"all", BASELINE} <= models.keys():
+        raise ValueError(f"timing the unit comms needs modes 'all' and {BASELINE!r}; got {sorted(models)}")
+    world, world_size = dist.group.WORLD, dist.get_world_size()
+    units = {mode: [m for m in models[mode].modules() if isinstance(m, FSDPModule)] for mode in ("all", BASELINE)}
+    unit_index = 1 if len(units["all"]) > 1 else 0  # modules() order: the root, then the first block
+    comms = {mode: zeropp.sharded_comms(models[mode]) for mode in units}
+    layout = unit_layout(units["all"][unit_index])
+    chunk = sum(layout.padded_numels) // world_size
+    gather_dtype, reduce_dtype = layout.gather_dtypes[0], torch.float32
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    shard = torch.randn(chunk, generator=generator).to(gather_dtype)
+    gradient = torch.randn(chunk * world_size, generator=generator)
+    gathered = torch.empty(chunk * world_size, dtype=gather_dtype)
+    reduced = torch.empty(chunk, dtype=reduce_dtype)
+    calls_of = {
+        "qwz_all_gather": lambda: comms["all"].all_gathers[unit_index](gathered, shard, world),
+        "plain_all_gather": lambda: comms[BASELINE].all_gathers[unit_index](gathered, shard, world),
+        "qgz_reduce_scatter": lambda: comms["all"].reduce_scatters[unit_index](
+            reduced, gradient, world, dist.ReduceOp.AVG),
+        "plain_reduce_scatter": lambda: comms[BASELINE].reduce_scatters[unit_index](
+            reduced, gradient, world, dist.ReduceOp.AVG),
+    }
+    times: dict[str, list[float]] = {name: [] for name in calls_of}
+    with zeropp.comm_ledger().suspended():
+        for _ in range(calls + 1):  # the first round warms up
+            for name, call in calls_of.items():
+                dist.barrier()
+                started = time.perf_counter()
+                call()
+                times[name].append(time.perf_counter() - started)
+    per_rank = gather_json({name: values[1:] for name, values in times.items()})
+    medians = {name: statistics.median(max(r[name][i] for r in per_rank) for i in range(calls))
+               for name in calls_of}
+    return {"unit": f"{type(units['all'][unit_index]).__name__} #{unit_index}", "parameters": len(layout.names),
+            "chunk_numel": chunk, "gather_dtype": str(gather_dtype).removeprefix("torch."),
+            "reduce_dtype": str(reduce_dtype).removeprefix("torch."), "calls": calls,
+            "median_s": medians,
+            "all_gather_ratio": medians["qwz_all_gather"] / medians["plain_all_gather"],
+            "reduce_scatter_ratio": medians["qgz_reduce_scatter"] / medians["plain_reduce_scatter"]}
 
 
 def mode_record(mode: str, ranks: list[dict[str, Any]], window: Window, num_steps: int) -> dict[str, Any]:
