@@ -18,12 +18,19 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import zeropp
+from zeropp.cluster import check_support, launch, parse_bandwidth
 from zeropp.cluster.launch import launch_local
 from zeropp.comms import all_gather_strings, all_reduce_mean
 from zeropp.data import CharCorpus
 from zeropp.jobs import run_rank_job
 from zeropp.models import GPT, GPTConfig
-from zeropp.modes import MODES, check_modes, parse_modes, zeropp_modes
+from zeropp.modes import BASELINE, MODES, check_modes, parse_modes, zeropp_modes
+
+DEFAULT_LINK = "100mbit"
+"""The inter-node link ``zeropp demo`` emulates by default: where ZeRO++'s cut in bytes shows."""
+LOCAL_STEPS, LINK_STEPS = 300, 150
+"""Default steps per mode: on local processes, and under the slow link (where a ZeRO-3 step
+waits on the network), so that ``make demo`` stays within minutes."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,8 +145,9 @@ def plot_losses(path: Path, runs: dict[str, list[dict]]) -> None:
     plt.close(fig)
 
 
-def compare(run_dir: Path, modes: list[str]) -> str:
-    """A side-by-side table of finished demo runs (``run_dir/<mode>``) and one PNG of their curves."""
+def compare(run_dir: Path, modes: list[str], link: str | None = None) -> str:
+    """A side-by-side table of finished demo runs (``run_dir/<mode>``) and one PNG of their
+    curves; ``link``: the inter-node link they ran under (None: no limit)."""
     runs, lines = {}, ["communication summed over all ranks (x-node: direct sends; backend: what the "
                        "backend's algorithm sends across nodes)",
                        f"{'mode':<8}{'train loss':>11}{'val loss':>10}{'s/step':>8}{'MB/step sent':>14}"
@@ -153,6 +161,11 @@ def compare(run_dir: Path, modes: list[str]) -> str:
                      f"{comm['cross_node_bytes'] / steps / 1e6:>16.3f}"
                      f"{comm['backend_cross_node_bytes'] / steps / 1e6:>9.3f}")
     plot_losses(run_dir / "loss.png", runs)
+    seconds = {mode: records[-1]["elapsed_s"] / len(records) for mode, records in runs.items()}
+    if BASELINE in seconds:
+        under = f"with {link} between nodes" if link else "with no link limit (local processes)"
+        lines.append(f"\nstep time {under}: " + ", ".join(
+            f"{mode} {seconds[mode] / seconds[BASELINE]:.2f}x ZeRO-3's" for mode in modes if mode != BASELINE))
     return "\n".join(lines)
 
 
@@ -161,24 +174,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", type=lambda text: parse_modes(text, zeropp_modes()), default=("zero3", "all"),
                         help=f"comma-separated, from {', '.join(zeropp_modes())} (default: ZeRO-3 and all three "
                              "ZeRO++ techniques)")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"optimizer steps per mode (default {LOCAL_STEPS} without a link limit, "
+                             f"{LINK_STEPS} on the emulated cluster)")
+    parser.add_argument("--link", default=DEFAULT_LINK,
+                        help=f"inter-node link of the emulated cluster, tc syntax (default {DEFAULT_LINK}); "
+                             "'none' runs local processes with no limit (also the fallback where the cluster "
+                             "cannot be built)")
     parser.add_argument("--nodes", type=int, default=2, help="emulated nodes (default 2)")
     parser.add_argument("--ranks-per-node", type=int, default=2)
     parser.add_argument("--runs", default="runs", help="parent folder of the run directory")
     parser.set_defaults(func=run_from_args)
 
 
+def where_to_run(link: str) -> tuple[str | None, str | None]:
+    """The link limit the demo runs under (None: local processes, no limit), and why not the
+    one asked for when the emulated cluster cannot be built here."""
+    if link == "none":
+        return None, None
+    parse_bandwidth(link)  # a malformed rate is an error, not a fallback
+    reason = check_support()
+    return (link, None) if reason is None else (None, reason)
+
+
 def run_from_args(args: argparse.Namespace) -> int:
-    """``zeropp demo``: one torchrun job per mode on local ranks, then the side-by-side table."""
+    """``zeropp demo``: one job per mode, on the emulated cluster with a slow inter-node link
+    where it can be built (else on local processes), then the side-by-side table."""
+    link, why_not = where_to_run(args.link)
+    if why_not is not None:
+        print(f"zeropp demo: no inter-node link limit ({why_not}), so ZeRO++ shows its bytes but not its "
+              f"speed-up; to see that, run as root where network namespaces work, or `zeropp bench step`",
+              flush=True)
+    steps = args.steps if args.steps is not None else LINK_STEPS if link else LOCAL_STEPS
     run_dir = Path(args.runs) / time.strftime("%Y%m%d-%H%M%S")
     for mode in args.modes:
-        module_args = ["--run-dir", str(run_dir / mode), "--mode", mode, "--steps", str(args.steps)]
-        print(f"\nzeropp demo: {args.nodes} nodes x {args.ranks_per_node} ranks (local processes), "
-              f"mode {mode}, {args.steps} steps -> {run_dir / mode}", flush=True)
-        code = launch_local("zeropp.demo", module_args, args.nodes, args.ranks_per_node)
+        module_args = ["--run-dir", str(run_dir / mode), "--mode", mode, "--steps", str(steps)]
+        where = f"emulated nodes, {link} between them" if link else "local processes, no link limit"
+        print(f"\nzeropp demo: {args.nodes} nodes x {args.ranks_per_node} ranks ({where}), "
+              f"mode {mode}, {steps} steps -> {run_dir / mode}", flush=True)
+        if link:
+            code = launch(["python", "-m", "zeropp.demo", *module_args], args.nodes, args.ranks_per_node,
+                          bandwidth=link).exit_code
+        else:
+            code = launch_local("zeropp.demo", module_args, args.nodes, args.ranks_per_node)
         if code:
             return code
-    print("\n" + compare(run_dir, list(args.modes)))
+    print("\n" + compare(run_dir, list(args.modes), link))
     print(f"\nloss curves: {run_dir / 'loss.png'}")
     return 0
 

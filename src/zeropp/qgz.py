@@ -9,6 +9,8 @@ the world size exactly (DeepSpeed's divides by the number of nodes).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -23,6 +25,19 @@ def intra_node_send_order(num_nodes: int, ranks_per_node: int) -> torch.Tensor:
     """qgZ's remap: slot d*N + n of the intra-node send buffer holds chunk n*D + d, so local
     rank d receives, from every node peer, the N chunks owed to local index d on every node."""
     return torch.arange(num_nodes * ranks_per_node).view(num_nodes, ranks_per_node).t().reshape(-1)
+
+
+@dataclass(frozen=True)
+class _Route:
+    """One hop's rows: those this rank keeps (``own``, slots ``own_start:own_stop`` of the
+    result) and those it sends (``sent``, in the order of the peers), and how many rows each
+    peer sends it."""
+
+    own: torch.Tensor
+    sent: torch.Tensor
+    own_start: int
+    own_stop: int
+    rows_from: list[int]
 
 
 class HierarchicalQuantizedReduceScatter(RecordedComm, ReduceScatter):
@@ -61,6 +76,7 @@ class HierarchicalQuantizedReduceScatter(RecordedComm, ReduceScatter):
         self.error_feedback = error_feedback
         self._residuals: dict[int, torch.Tensor] = {}  # hop -> fp32 quantization residual
         self._codecs: dict[tuple[int, int], ChunkCodec] = {}
+        self._routes: dict[tuple, _Route] = {}
 
     def codec(self, chunk_numel: int, bits: int) -> ChunkCodec:
         key = (chunk_numel, bits)
@@ -121,36 +137,45 @@ class HierarchicalQuantizedReduceScatter(RecordedComm, ReduceScatter):
             residual[sent] = lost
         self._residuals[hop] = residual
 
+    def _route(self, num_rows: int, group: dist.ProcessGroup, remap: bool, device: torch.device) -> _Route:
+        """Which rows this rank keeps and sends in a hop, planned once per shape and group."""
+        key = (num_rows, id(group), remap, device)
+        if key not in self._routes:
+            size, me = group.size(), group.rank()
+            order = (intra_node_send_order(self.topology.num_nodes, self.topology.ranks_per_node) if remap
+                     else torch.arange(num_rows))
+            per_peer = num_rows // size
+            own = order[me * per_peer:(me + 1) * per_peer]
+            sent = torch.cat((order[:me * per_peer], order[(me + 1) * per_peer:]))
+            self._routes[key] = _Route(own.to(device), sent.to(device), me * per_peer, (me + 1) * per_peer,
+                                       [0 if peer == me else per_peer for peer in range(size)])
+        return self._routes[key]
+
     def _exchange(self, rows: torch.Tensor, codec: ChunkCodec, hop: int, group: dist.ProcessGroup,
-                  order: torch.Tensor | None = None) -> torch.Tensor:
-        """Send ``rows`` (k, S) in ``order`` of rows to the group's ranks (k / size rows each) and
-        return, in the same slots, what each rank sent, decoded to fp32 (k, S).
+                  remap: bool = False) -> torch.Tensor:
+        """Send ``rows`` (k, S) to the group's ranks (k / size rows each, in the order of [Note:
+        qgZ remap] with ``remap``) and return, in the same slots, what each rank sent, decoded to
+        fp32 (k, S).
 
         Only the rows bound for other ranks are quantized; the block this rank owes itself stays
         in fp32 and never enters the collective, which sends it nothing (see [Note: qgZ own rows]).
         """
-        size, me = group.size(), group.rank()
-        per_peer = rows.shape[0] // size
-        if order is None:
-            order = torch.arange(rows.shape[0], device=rows.device)
-        own = order[me * per_peer:(me + 1) * per_peer]
-        sent = torch.cat((order[:me * per_peer], order[(me + 1) * per_peer:]))
+        route = self._route(rows.shape[0], group, remap, rows.device)
         if self.error_feedback:
             rows = self._with_residual(hop, rows)
-        packed = torch.empty((len(sent), codec.nbytes), dtype=torch.uint8, device=rows.device)
-        codec.encode(rows[sent], packed)
+        packed = torch.empty((len(route.sent), codec.nbytes), dtype=torch.uint8, device=rows.device)
+        codec.encode(rows.index_select(0, route.sent), packed)
         if self.error_feedback:
-            self._keep_residual(hop, rows, sent, packed, codec)
+            self._keep_residual(hop, rows, route.sent, packed, codec)
         received = torch.empty_like(packed)
-        splits = [0 if peer == me else per_peer * codec.nbytes for peer in range(size)]
-        all_to_all(received.view(-1), packed.view(-1), splits, group, self.recorder, self.technique,
-                   dtype=f"int{codec.segments[0].bits}")
+        all_to_all(received.view(-1), packed.view(-1), [count * codec.nbytes for count in route.rows_from],
+                   group, self.recorder, self.technique, dtype=f"int{codec.segments[0].bits}")
         decoded = torch.empty(rows.shape, dtype=torch.float32, device=rows.device)
-        before, after = me * per_peer, (me + 1) * per_peer
+        before, after = route.own_start, route.own_stop
         for source, target in ((received[:before], decoded[:before]), (received[before:], decoded[after:])):
             if len(source):
                 codec.decode(source, target)
-        decoded[before:after] = rows[own]
+        decoded[before:after] = rows.index_select(0, route.own)
         return decoded
 
     def _intra_node_hop(self, chunks: torch.Tensor, chunk_numel: int) -> torch.Tensor:
@@ -158,8 +183,7 @@ class HierarchicalQuantizedReduceScatter(RecordedComm, ReduceScatter):
         num_nodes, ranks_per_node = chunks.shape[:2]
         codec = self.codec(chunk_numel, self.bits_intra)
         rows = chunks.reshape(num_nodes * ranks_per_node, chunk_numel)
-        order = intra_node_send_order(num_nodes, ranks_per_node).to(rows.device)
-        decoded = self._exchange(rows, codec, 1, self.groups.intra_node_group, order)
+        decoded = self._exchange(rows, codec, 1, self.groups.intra_node_group, remap=True)
         return decoded.view(ranks_per_node, num_nodes, chunk_numel).sum(dim=0)
 
     def _inter_node_hop(self, partial: torch.Tensor, chunk_numel: int) -> torch.Tensor:
