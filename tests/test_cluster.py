@@ -140,3 +140,17 @@ def _cmdline(proc: Path) -> str:
         return (proc / "cmdline").read_bytes().decode(errors="replace")
     except OSError:
         return ""
+
+
+def test_demo_runs_under_a_slow_link_where_it_can(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``zeropp demo`` runs on the emulated cluster with the link asked for where the cluster can
+    be built; elsewhere on local processes, saying why; a malformed rate is an error."""
+    from zeropp import demo
+
+    assert demo.where_to_run("none") == (None, None) and demo.where_to_run("unlimited") == (None, None)
+    with pytest.raises(ValueError, match="bandwidth 'fast' is not a rate"):
+        demo.where_to_run("fast")
+    monkeypatch.setattr(demo, "check_support", lambda: "the emulated cluster needs root")
+    assert demo.where_to_run("100mbit") == (None, "the emulated cluster needs root")
+    monkeypatch.setattr(demo, "check_support", lambda: None)
+    assert demo.where_to_run("100mbit") == ("100mbit", None)

@@ -1,6 +1,7 @@
 """The demo job: train the char-level GPT on Shakespeare with zeropp, one process per rank.
 
-Run under torchrun (``zeropp demo`` launches it): the same code path for 1 and N ranks. Each
+Run under torchrun (``zeropp demo`` launches it, on the emulated cluster with a slow inter-node
+link where it can be built, on local processes otherwise): the same code path for 1 and N ranks. Each
 rank takes its rows of the same global batch; rank 0 logs the global loss, writes
 ``metrics.jsonl`` and a loss-curve PNG into the run directory, and prints the ledger's table.
 """
@@ -190,9 +191,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def where_to_run(link: str) -> tuple[str | None, str | None]:
     """The link limit the demo runs under (None: local processes, no limit), and why not the
     one asked for when the emulated cluster cannot be built here."""
-    if link == "none":
+    if parse_bandwidth(link) is None:  # a malformed rate is an error, not a fallback
         return None, None
-    parse_bandwidth(link)  # a malformed rate is an error, not a fallback
     reason = check_support()
     return (link, None) if reason is None else (None, reason)
 
