@@ -11,7 +11,7 @@ import zeropp
 from distributed import run_distributed
 from models import VOCAB, global_batch, make_model, rows
 from test_real_models import BLOCK, _expected_gather
-from zeropp.hpz import held_secondary_copy_bytes, secondary_copy_bytes
+from zeropp.hpz import generation_copy_bytes, held_secondary_copy_bytes
 from zeropp.models.gpt import KVCache
 from zeropp.modes import MODES
 
@@ -44,7 +44,7 @@ def test_kv_cache_sampler_equals_full_recomputation() -> None:
         model.generate(prompt, 9)
 
 
-def _generate_worker(rank: int, world_size: int, mode: str, use_generation_mode: bool) -> dict:
+def _generate_worker(rank: int, world_size: int, mode: str, use_generation_mode: bool | str) -> dict:
     reference = make_model("gpt")
     quantized = MODES[mode].options.get("quantized_weights", False)
     if quantized:  # the weights qwZ computes with: dequantize(quantize(shard)) of every shard
@@ -57,7 +57,8 @@ def _generate_worker(rank: int, world_size: int, mode: str, use_generation_mode:
     ledger = zeropp.comm_ledger()
     ledger.reset()
     if use_generation_mode:
-        with zeropp.generation_mode(model):
+        copy = use_generation_mode if isinstance(use_generation_mode, str) else "node"
+        with zeropp.generation_mode(model, copy=copy):
             tokens = model.generate(prompt, 8, temperature=0)
     else:
         tokens = model.generate(prompt, 8, temperature=0)
@@ -69,8 +70,9 @@ def _generate_worker(rank: int, world_size: int, mode: str, use_generation_mode:
     ("zero3", False),
     pytest.param("hpz", True, marks=pytest.mark.slow),
     pytest.param("all", True, marks=pytest.mark.slow),
+    pytest.param("all", "full", marks=pytest.mark.slow),
 ])
-def test_sharded_greedy_tokens_equal_the_unsharded_model(mode: str, use_generation_mode: bool) -> None:
+def test_sharded_greedy_tokens_equal_the_unsharded_model(mode: str, use_generation_mode: bool | str) -> None:
     """fp32 greedy decoding, 8 new tokens per row, 4 ranks (2x2), each with its own prompts:
     ZeRO-3 and hpZ in generation mode give exactly the unsharded model's tokens; all three
     (INT8 weights) exactly the tokens of the unsharded model holding qwZ's weights,
@@ -87,7 +89,7 @@ def test_sharded_greedy_tokens_equal_the_unsharded_model(mode: str, use_generati
             assert inside["cross_node_bytes"] * 8 <= outside["cross_node_bytes"] * 1.01
 
 
-def _stale_worker(rank: int, world_size: int) -> dict:
+def _stale_worker(rank: int, world_size: int, copy: str) -> dict:
     torch.manual_seed(0)
     reference = make_model("gpt")
     model = zeropp.shard(make_model("gpt"), MODES["hpz"].config(2))
@@ -101,14 +103,16 @@ def _stale_worker(rank: int, world_size: int) -> dict:
         ledger.reset()
         with torch.no_grad():
             ours, theirs = model(prompt)[0], reference(prompt)[0]
-        report[name] = {"diff": (ours - theirs).abs().max().item(),
-                        "cross_node": ledger.summary(op="all_gather")["total"]["cross_node_bytes"]}
+        gathers = ledger.summary(op="all_gather")["total"]
+        report[name] = {"diff": (ours - theirs).abs().max().item(), "cross_node": gathers["cross_node_bytes"],
+                        "gathered": gathers["bytes"]}
 
-    with zeropp.generation_mode(model):
+    with zeropp.generation_mode(model, copy=copy):
         check("first")
         check("reused")
         report["held"] = held_secondary_copy_bytes(model)
-        report["documented"] = secondary_copy_bytes(model)
+        report["documented"] = generation_copy_bytes(model, copy)
+        report["parameter_bytes"] = sum(p.numel() * 4 for p in reference.parameters())
         for p, q in zip(model.parameters(), reference.parameters()):  # an optimizer step
             p.grad = torch.full_like(p, 0.01)
             q.grad = torch.full_like(q, 0.01)
@@ -132,13 +136,15 @@ def _stale_worker(rank: int, world_size: int) -> dict:
     return report
 
 
-def test_generation_mode_is_never_stale_and_frees_its_copy() -> None:
+@pytest.mark.parametrize("copy", ["node", pytest.param("full", marks=pytest.mark.slow)])
+def test_generation_mode_is_never_stale_and_frees_its_copy(copy: str) -> None:
     """Inside generation_mode, between no_grad forwards: an optimizer step, a DCP load, an
     in-place edit and a training forward each make the next forward gather across nodes again
     and compute exactly what the unsharded model with the same weights computes; a forward with
-    nothing changed gathers inside the node only. The copy held is the documented
-    parameters x bytes / ranks per node, and leaving the context frees it."""
-    for report in run_distributed(_stale_worker, 4, env=TWO_BY_TWO):
+    nothing changed gathers inside the node only (``copy="node"``) or nothing at all (``"full"``).
+    The copy held is the documented parameters x bytes / ranks per node (or x bytes, whole),
+    and leaving the context frees it."""
+    for report in run_distributed(_stale_worker, 4, copy, env=TWO_BY_TWO):
         for name in ("first", "reused", "after_step", "after_load", "after_edit", "after_training_forward",
                      "reused_again"):
             assert report[name]["diff"] <= 1e-5, (name, report[name])
@@ -147,6 +153,12 @@ def test_generation_mode_is_never_stale_and_frees_its_copy() -> None:
         assert report["reused"]["cross_node"] == 0 and report["reused_again"]["cross_node"] == 0
         assert report["held"] == report["documented"] > 0
         assert report["held_after_exit"] == 0
+        if copy == "full":
+            assert report["documented"] == report["parameter_bytes"]
+            assert report["reused"]["gathered"] == 0 and report["reused_again"]["gathered"] == 0
+        else:
+            assert report["parameter_bytes"] / 2 <= report["documented"] <= report["parameter_bytes"] / 2 * 1.05
+            assert report["reused"]["gathered"] > 0
 
 
 def _no_hpz_worker(rank: int, world_size: int) -> str:
@@ -196,7 +208,7 @@ def test_hf_generate_on_a_sharded_llama() -> None:
 def test_bench_generate_on_the_emulated_cluster(tmp_path) -> None:
     """A tiny ``zeropp bench generate`` at unlimited bandwidth: every mode reports tokens/s, and
     in generation mode all three send at most 0.1x ZeRO-3's cross-node bytes per token (the
-    weights cross once per generation, INT8)."""
+    weights cross once per generation, INT8), with either copy."""
     from zeropp.bench import generate
     from zeropp.cluster import check_support
     from zeropp.cluster.netns import list_namespaces
@@ -208,5 +220,12 @@ def test_bench_generate_on_the_emulated_cluster(tmp_path) -> None:
     results = generate.run(str(tmp_path), bandwidths=("unlimited",), config=config)["bandwidths"]["unlimited"]
     assert set(results) == set(generate.GENERATE_MODES)
     assert all(r["tokens_per_s"] > 0 for r in results.values())
-    assert results["all"]["cross_node_bytes_per_token"] <= 0.1 * results["zero3"]["cross_node_bytes_per_token"]
+    for mode in ("all", "all_full"):
+        assert results[mode]["cross_node_bytes_per_token"] <= 0.1 * results["zero3"]["cross_node_bytes_per_token"]
     assert (tmp_path / "bench_generate.png").stat().st_size > 0
+
+
+def test_generation_mode_refuses_an_unknown_copy() -> None:
+    with pytest.raises(ValueError, match="copy='half' is not one of \\('node', 'full'\\)"):
+        with zeropp.generation_mode(torch.nn.Linear(2, 2), copy="half"):
+            pass

@@ -88,19 +88,32 @@ def unit_layout(module: FSDPModule) -> UnitLayout:
     )
 
 
-def register_primary_shards(unit: FSDPModule) -> None:
+def register_primary_shards(unit: FSDPModule, whole: bool = False) -> None:
     """After a unit's forward under hpZ, FSDP2 registers the secondary (post-forward) shards as
     the module's parameters and keeps their data in its own fields for the backward gather. Put
     the primary shards (the ones the optimizer holds) back in the module: every reader and writer
     of parameters (state dicts, DCP, ``load_state_dict`` and FSDP2's own post-load hook, in-place
     edits) then sees the primary shards, while the backward still gathers from the secondary
-    data. FSDP2 registers the primary shards itself again when it reshards."""
+    data. FSDP2 registers the primary shards itself again when it reshards. ``whole``: also for
+    a unit left whole after forward (``generation_mode(copy="full")``)."""
     param_group = unit._get_fsdp_state()._fsdp_param_group
     if param_group is None:
         return
+    states = (ShardedState.SHARDED_POST_FORWARD, ShardedState.UNSHARDED) if whole else \
+        (ShardedState.SHARDED_POST_FORWARD,)
     for fsdp_param in param_group.fsdp_params:
-        if fsdp_param.sharded_state is ShardedState.SHARDED_POST_FORWARD:
+        if fsdp_param.sharded_state in states:
             fsdp_param._setattr_on_modules(fsdp_param.sharded_param)
+
+
+def register_whole_parameters(unit: FSDPModule) -> None:
+    """Before a forward that reuses a unit left whole: register its whole parameters on the
+    module again (``register_primary_shards`` replaced them; FSDP2 skips the unshard that would
+    register them, the unit being unsharded already)."""
+    param_group = unit._get_fsdp_state()._fsdp_param_group
+    if param_group is not None and param_group.is_unsharded:
+        for fsdp_param in param_group.fsdp_params:
+            fsdp_param._setattr_on_modules(fsdp_param.unsharded_param)
 
 
 def _fsdp_params(units: Iterable[FSDPModule]) -> Iterator[Any]:
@@ -121,6 +134,37 @@ def secondary_bytes_held(units: Iterable[FSDPModule]) -> int:
     """Bytes of post-forward (secondary) shards the units hold right now."""
     return sum(p._sharded_post_forward_param_data.nbytes for p in _fsdp_params(units)
                if p.sharded_state is ShardedState.SHARDED_POST_FORWARD)
+
+
+def unsharded_bytes_held(units: Iterable[FSDPModule]) -> int:
+    """Bytes of whole (unsharded) parameters the units hold right now, outside a forward."""
+    total = 0
+    for unit in units:
+        group = unit._get_fsdp_state()._fsdp_param_group
+        if group is not None and group.is_unsharded:
+            total += sum(p._unsharded_param.numel() * p._unsharded_param.element_size() for p in group.fsdp_params)
+    return total
+
+
+def post_forward_meshes(units: Iterable[FSDPModule]) -> list[Any]:
+    """Each unit's post-forward mesh: where FSDP2 reshards it after forward (the world, hpZ's
+    node group, or None: it stays whole)."""
+    return [_param_group_attr(unit, "post_forward_mesh_info") for unit in units]
+
+
+def set_post_forward_meshes(units: Iterable[FSDPModule], meshes: Iterable[Any]) -> None:
+    """Set each unit's post-forward mesh (``post_forward_meshes``); None keeps it whole after
+    forward, which ``FSDPModule.set_reshard_after_forward(False)`` also does, but that cannot
+    bring hpZ's node mesh back."""
+    for unit, mesh in zip(units, meshes, strict=True):
+        group = unit._get_fsdp_state()._fsdp_param_group
+        if group is not None:
+            group.post_forward_mesh_info = mesh
+
+
+def _param_group_attr(unit: FSDPModule, name: str) -> Any:
+    group = unit._get_fsdp_state()._fsdp_param_group
+    return None if group is None else getattr(group, name)
 
 
 def fsdp_units(model: nn.Module) -> Iterator[FSDPModule]:

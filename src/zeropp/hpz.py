@@ -17,8 +17,22 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from zeropp._fsdp import fsdp_units, register_primary_shards, secondary_bytes_held, shard_versions, unit_layout
+from zeropp._fsdp import (
+    fsdp_units,
+    post_forward_meshes,
+    register_primary_shards,
+    register_whole_parameters,
+    secondary_bytes_held,
+    set_post_forward_meshes,
+    shard_versions,
+    unit_layout,
+    unsharded_bytes_held,
+)
 from zeropp.topology import Topology
+
+GENERATION_COPIES = ("node", "full")
+"""What ``generation_mode`` keeps between forwards: hpZ's secondary partition inside the node
+(parameters x bytes / hpZ size per rank), or every unit whole (parameters x bytes per rank)."""
 
 
 def check_hpz(hpz_partition_size: int, topology: Topology) -> None:
@@ -47,17 +61,35 @@ class SecondaryCopies:
         self.units = list(fsdp_units(model))
         self.generating = 0
         """Open ``generation_mode`` contexts on this model."""
+        self.copy = "node"
+        """What the open contexts keep (``GENERATION_COPIES``)."""
+        self._meshes = post_forward_meshes(self.units)
+        """Each unit's post-forward mesh as sharded (hpZ's node groups)."""
+        self._whole = False
         self._versions: tuple[int, ...] | None = None
         """The primary shards' version counters when the copies were last filled by a ``no_grad``
         forward in generation mode; None when no copy may be reused."""
 
     def before_forward(self) -> None:
-        if not (self.generating and not torch.is_grad_enabled() and self._reusable()):
+        generating = self.generating and not torch.is_grad_enabled()
+        if generating and self._reusable():
+            if self._whole:
+                for unit in self.units:
+                    register_whole_parameters(unit)
+        else:
             self.drop()
+        self._keep_whole(generating and self.copy == "full")
+
+    def _keep_whole(self, whole: bool) -> None:
+        """Let the next forward leave its units whole (``copy="full"``), or reshard them to hpZ's
+        node groups again."""
+        if whole != self._whole:
+            set_post_forward_meshes(self.units, [None] * len(self.units) if whole else self._meshes)
+            self._whole = whole
 
     def after_forward(self) -> None:
         for unit in self.units:
-            register_primary_shards(unit)
+            register_primary_shards(unit, whole=self._whole)
         if torch.is_grad_enabled():
             self._versions = None
         elif self.generating:
@@ -72,6 +104,11 @@ class SecondaryCopies:
         drop_secondary_copies(self.units)
         self._versions = None
 
+    def close(self) -> None:
+        """The last ``generation_mode`` context has ended: back to hpZ, nothing held."""
+        self._keep_whole(False)
+        self.drop()
+
 
 _COPIES: weakref.WeakKeyDictionary[nn.Module, SecondaryCopies] = weakref.WeakKeyDictionary()
 
@@ -85,36 +122,50 @@ def keep_secondary_copies_fresh(model: nn.Module) -> None:
 
 
 @contextmanager
-def generation_mode(model: nn.Module) -> Iterator[None]:
+def generation_mode(model: nn.Module, copy: str = "node") -> Iterator[None]:
     """[Note: generation mode]
     Generation (RLHF rollouts, evaluation loops) runs one ``no_grad`` forward per token with the
-    same weights. Inside this context a ``no_grad`` forward keeps each unit's hpZ secondary copy
-    (its weights sharded over the ranks of one node: parameters x bytes / hpZ size per rank) and
-    the next ``no_grad`` forward gathers from it inside the node, so only the first forward
-    crosses nodes (INT8 under qwZ). The copy is dropped, and the next forward gathers across
-    nodes again, the moment the weights can have changed: an optimizer step, a load, any
-    in-place edit (each bumps a primary shard's version counter, checked before every forward), a
-    training (grad-enabled) forward; and when the context exits, which frees it. Needs a model
-    sharded with hpZ (``hpz_partition_size > 1``): without hpZ FSDP2 keeps no copy to reuse.
+    same weights. Inside this context the first ``no_grad`` forward gathers each unit across
+    nodes (INT8 under qwZ) and keeps a copy that later ``no_grad`` forwards gather from:
+
+    - ``copy="node"``: hpZ's secondary copy (the unit's weights sharded over the ranks of one
+      node: parameters x bytes / hpZ size per rank); every later forward gathers inside the node;
+    - ``copy="full"``: each unit whole (parameters x bytes per rank); later forwards gather
+      nothing. Faster where even the node's gather costs (FSDP2 rebuilds the secondary shard
+      of every parameter after every forward), for models whose weights fit on a rank.
+
+    The copy is dropped, and the next forward gathers across nodes again, the moment the weights
+    can have changed: an optimizer step, a load, any in-place edit (each bumps a primary shard's
+    version counter, checked before every forward), a training (grad-enabled) forward, which
+    runs as hpZ always does; and when the context exits, which frees it. Needs a model sharded
+    with hpZ (``hpz_partition_size > 1``): without hpZ FSDP2 keeps no copy to reuse.
     """
+    if copy not in GENERATION_COPIES:
+        raise ValueError(f"generation_mode copy={copy!r} is not one of {GENERATION_COPIES}")
     copies = _COPIES.get(model)
     if copies is None:
         raise ValueError(f"generation_mode needs a model sharded with hpZ (hpz_partition_size > 1, or "
                          f"fully_shard(..., reshard_after_forward=<ranks per node>) and zeropp.enable); "
                          f"{type(model).__name__} keeps no secondary copy to reuse")
+    if copies.generating and copy != copies.copy:
+        raise ValueError(f"generation_mode(copy={copy!r}) inside generation_mode(copy={copies.copy!r}) on the "
+                         "same model: nest contexts of one kind")
     copies.generating += 1
+    copies.copy = copy
     try:
         yield
     finally:
         copies.generating -= 1
         if not copies.generating:
-            copies.drop()
+            copies.close()
 
 
 def held_secondary_copy_bytes(model: nn.Module) -> int:
-    """Bytes of hpZ secondary copies this rank holds right now (0 outside a forward-backward
-    window and outside ``generation_mode``)."""
-    return secondary_bytes_held(fsdp_units(model))
+    """Bytes of weights this rank holds beyond its primary shards right now: hpZ's secondary
+    copies, and units kept whole by ``generation_mode(copy="full")`` (0 outside a
+    forward-backward window and outside ``generation_mode``)."""
+    units = list(fsdp_units(model))
+    return secondary_bytes_held(units) + unsharded_bytes_held(units)
 
 
 def drop_secondary_copies(units: Sequence[FSDPModule]) -> None:
@@ -143,6 +194,15 @@ def has_secondary_copy(unit: FSDPModule) -> bool:
     """Whether the unit keeps a secondary copy after forward (it was sharded with hpZ)."""
     layout = unit_layout(unit)
     return layout.post_forward_group_size < layout.shard_group_size
+
+
+def generation_copy_bytes(model: nn.Module, copy: str = "node") -> int:
+    """Bytes ``generation_mode(model, copy)`` holds per rank between forwards: hpZ's secondary
+    copy (``secondary_copy_bytes``), or every unit's parameters whole in their gather dtype."""
+    if copy == "node":
+        return secondary_copy_bytes(model)
+    return sum(shape.numel() * dtype.itemsize for unit in fsdp_units(model)
+               for shape, dtype in zip(unit_layout(unit).shapes, unit_layout(unit).gather_dtypes))
 
 
 def secondary_copy_bytes(model: nn.Module) -> int:

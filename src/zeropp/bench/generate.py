@@ -3,7 +3,8 @@
 On 2 nodes x 2 ranks at each inter-node bandwidth, one job per bandwidth samples completions with
 the demo GPT's KV-cache sampler under each mode, in turns: ZeRO-3, qwZ, hpZ and all three (the
 hpZ modes inside ``zeropp.generation_mode``: the weights cross nodes once per generation, then
-every token's forward gathers inside the node), and DeepSpeed ZeRO-3 when installed (the GPT's
+every token's forward gathers inside the node; ``all_full`` keeps every unit whole instead, so
+later forwards gather nothing), and DeepSpeed ZeRO-3 when installed (the GPT's
 ``generate`` called through ``engine.module``, as a DeepSpeed user would). Per mode: tokens per second over all
 ranks (the slowest rank's time), cross-node bytes per generated token (the ledger's backend
 figure over all ranks; DeepSpeed's bypass the ledger), and one RLHF-style iteration (generate,
@@ -28,7 +29,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-GENERATE_MODES = ("zero3", "qwz", "hpz", "all")
+GENERATE_MODES = ("zero3", "qwz", "hpz", "all", "all_full")
+FULL_COPY = "_full"
+"""A mode name ending so (``all_full``) generates inside ``generation_mode(copy="full")``: every
+unit kept whole after the one cross-node fill, instead of hpZ's copy inside the node."""
+
+
+def sharding_mode(mode: str) -> str:
+    """The ``zeropp.modes`` name a benchmark mode shards with."""
+    return mode.removesuffix(FULL_COPY)
 BANDWIDTHS = ("unlimited", "1gbit", "100mbit")
 
 
@@ -40,7 +49,7 @@ class GenerateConfig:
     prompts_per_rank: int = 4
     prompt_length: int = 8
     new_tokens: int = 24
-    repeats: int = 2
+    repeats: int = 3
     """Timed generations per mode (after one untimed)."""
     num_layers: int = 4
     embed_dim: int = 256
@@ -58,7 +67,7 @@ def build(mode: str, config: GenerateConfig, vocab_size: int, topology: Any) -> 
     model = GPT(GPTConfig(vocab_size=vocab_size, context_length=config.prompt_length + config.new_tokens,
                           num_layers=config.num_layers, num_heads=config.num_heads, embed_dim=config.embed_dim))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    if MODES[mode].system is System.DEEPSPEED:
+    if MODES[sharding_mode(mode)].system is System.DEEPSPEED:
         import deepspeed
 
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -66,7 +75,7 @@ def build(mode: str, config: GenerateConfig, vocab_size: int, topology: Any) -> 
                      "zero_optimization": {"stage": 3}}
         engine, optimizer, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         return engine, engine
-    zeropp.shard(model, MODES[mode].config(topology.ranks_per_node), topology=topology)
+    zeropp.shard(model, MODES[sharding_mode(mode)].config(topology.ranks_per_node), topology=topology)
     return model, optimizer
 
 
@@ -76,7 +85,8 @@ def _generate(model: torch.nn.Module, mode: str, prompts: torch.Tensor, config: 
     from zeropp.modes import MODES
 
     policy = getattr(model, "module", model)  # DeepSpeed's engine wraps the GPT
-    with zeropp.generation_mode(model) if MODES[mode].hpz else contextlib.nullcontext():
+    copy = "full" if mode.endswith(FULL_COPY) else "node"
+    with zeropp.generation_mode(model, copy=copy) if MODES[sharding_mode(mode)].hpz else contextlib.nullcontext():
         return policy.generate(prompts, config.new_tokens, temperature=1.0, generator=generator)
 
 
