@@ -44,7 +44,7 @@ def test_kv_cache_sampler_equals_full_recomputation() -> None:
         model.generate(prompt, 9)
 
 
-def _generate_worker(rank: int, world_size: int, mode: str, use_generation_mode: bool | str) -> dict:
+def _generate_worker(rank: int, world_size: int, mode: str, use_generation_mode: bool) -> dict:
     reference = make_model("gpt")
     quantized = MODES[mode].options.get("quantized_weights", False)
     if quantized:  # the weights qwZ computes with: dequantize(quantize(shard)) of every shard
@@ -57,8 +57,7 @@ def _generate_worker(rank: int, world_size: int, mode: str, use_generation_mode:
     ledger = zeropp.comm_ledger()
     ledger.reset()
     if use_generation_mode:
-        copy = use_generation_mode if isinstance(use_generation_mode, str) else "node"
-        with zeropp.generation_mode(model, copy=copy):
+        with zeropp.generation_mode(model):
             tokens = model.generate(prompt, 8, temperature=0)
     else:
         tokens = model.generate(prompt, 8, temperature=0)
@@ -70,9 +69,8 @@ def _generate_worker(rank: int, world_size: int, mode: str, use_generation_mode:
     ("zero3", False),
     pytest.param("hpz", True, marks=pytest.mark.slow),
     pytest.param("all", True, marks=pytest.mark.slow),
-    pytest.param("all", "full", marks=pytest.mark.slow),
 ])
-def test_sharded_greedy_tokens_equal_the_unsharded_model(mode: str, use_generation_mode: bool | str) -> None:
+def test_sharded_greedy_tokens_equal_the_unsharded_model(mode: str, use_generation_mode: bool) -> None:
     """fp32 greedy decoding, 8 new tokens per row, 4 ranks (2x2), each with its own prompts:
     ZeRO-3 and hpZ in generation mode give exactly the unsharded model's tokens; all three
     (INT8 weights) exactly the tokens of the unsharded model holding qwZ's weights,
