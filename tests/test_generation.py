@@ -59,10 +59,16 @@ def _generate_worker(rank: int, world_size: int, mode: str, use_generation_mode:
     if use_generation_mode:
         with zeropp.generation_mode(model):
             tokens = model.generate(prompt, 8, temperature=0)
-    else:
-        tokens = model.generate(prompt, 8, temperature=0)
+    else:  # without generation mode (generate of a model sharded with hpZ enters it by itself)
+        tokens = getattr(model.generate, "without_generation_mode", model.generate)(prompt, 8, temperature=0)
     gathers = ledger.summary(op="all_gather")["total"]
-    return {"equal": torch.equal(tokens, expected), "cross_node_bytes": gathers["cross_node_bytes"]}
+    result = {"equal": torch.equal(tokens, expected), "cross_node_bytes": gathers["cross_node_bytes"]}
+    if use_generation_mode:  # generate on its own: the same tokens and bytes, nothing held after
+        ledger.reset()
+        result["automatic_equal"] = torch.equal(model.generate(prompt, 8, temperature=0), expected)
+        result["automatic_cross_node_bytes"] = ledger.summary(op="all_gather")["total"]["cross_node_bytes"]
+        result["held_after"] = held_secondary_copy_bytes(model)
+    return result
 
 
 @pytest.mark.parametrize("mode,use_generation_mode", [
@@ -78,13 +84,16 @@ def test_sharded_greedy_tokens_equal_the_unsharded_model(mode: str, use_generati
     later forward computes with them too). On this random tiny model the logits are so flat
     that INT8's ~0.4% weight error changes some argmaxes against the fp32 weights, so the
     quantized weights are the reference. Generation mode: after the first forward no byte
-    crosses nodes (the 8 forwards' cross-node bytes are those of one)."""
+    crosses nodes (the 8 forwards' cross-node bytes are those of one); ``generate`` of a model
+    sharded with hpZ enters it by itself (same tokens, same bytes, nothing held after)."""
     results = run_distributed(_generate_worker, 4, mode, use_generation_mode, env=TWO_BY_TWO)
     assert all(r["equal"] for r in results)
     if use_generation_mode:
         plain = run_distributed(_generate_worker, 4, mode, False, env=TWO_BY_TWO)
         for inside, outside in zip(results, plain):
             assert inside["cross_node_bytes"] * 8 <= outside["cross_node_bytes"] * 1.01
+            assert inside["automatic_equal"] and inside["held_after"] == 0
+            assert inside["automatic_cross_node_bytes"] == inside["cross_node_bytes"]
 
 
 def _stale_worker(rank: int, world_size: int, copy: str) -> dict:

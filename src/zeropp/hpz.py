@@ -9,9 +9,11 @@ check, the hooks that keep the secondary copy from ever being stale, its reuse a
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -158,6 +160,26 @@ def generation_mode(model: nn.Module, copy: str = "node") -> Iterator[None]:
         copies.generating -= 1
         if not copies.generating:
             copies.close()
+
+
+def generate_in_generation_mode(model: nn.Module) -> None:
+    """Make ``model.generate`` (HF's ``GenerationMixin.generate``, the demo GPT's sampler) run
+    inside ``generation_mode(model)``, so sampling reuses the copy without asking; the copy is
+    freed when ``generate`` returns. Inside an explicit context it keeps that context's copy.
+    ``model.generate.without_generation_mode`` is the original. Safe for any caller: generation
+    mode never serves stale weights, and a grad-enabled forward inside it runs as without it."""
+    generate = getattr(model, "generate", None)
+    if not callable(generate) or hasattr(generate, "without_generation_mode"):
+        return
+
+    @functools.wraps(generate)
+    def generate_in_mode(*args: Any, **kwargs: Any) -> Any:
+        copies = _COPIES[model]
+        with generation_mode(model, copy=copies.copy if copies.generating else "node"):
+            return generate(*args, **kwargs)
+
+    generate_in_mode.without_generation_mode = generate  # type: ignore[attr-defined]
+    model.generate = generate_in_mode
 
 
 def held_secondary_copy_bytes(model: nn.Module) -> int:

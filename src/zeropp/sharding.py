@@ -20,7 +20,13 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from zeropp._fsdp import AllGather, ReduceScatter, fsdp_units, unit_layout
 from zeropp.comms import CountingAllGather, CountingReduceScatter, all_gather_strings
 from zeropp.config import ZeroPPConfig
-from zeropp.hpz import check_hpz, has_secondary_copy, keep_secondary_copies_fresh, reshard_after_forward
+from zeropp.hpz import (
+    check_hpz,
+    generate_in_generation_mode,
+    has_secondary_copy,
+    keep_secondary_copies_fresh,
+    reshard_after_forward,
+)
 from zeropp.qgz import HierarchicalQuantizedReduceScatter
 from zeropp.qwz import QuantizedAllGather, quantized_parameters
 from zeropp.scalars import replicate_scalars, scalar_parameters
@@ -99,6 +105,7 @@ def _enable(model: FSDPModule, config: ZeroPPConfig, groups: ProcessGroups) -> n
     installed.fresh_copy_hooks = previous is not None and previous.fresh_copy_hooks
     if not installed.fresh_copy_hooks and any(has_secondary_copy(unit) for unit in units):
         keep_secondary_copies_fresh(model)
+        generate_in_generation_mode(model)
         installed.fresh_copy_hooks = True
     _SHARDED[model] = installed
     return model
