@@ -11,6 +11,7 @@ import zeropp
 from distributed import run_distributed
 from models import VOCAB, global_batch, make_model, rows
 from test_real_models import BLOCK, _expected_gather
+from zeropp._fsdp import fsdp_units, post_forward_meshes
 from zeropp.hpz import generation_copy_bytes, held_secondary_copy_bytes
 from zeropp.models.gpt import KVCache
 from zeropp.modes import MODES
@@ -114,6 +115,7 @@ def _stale_worker(rank: int, world_size: int, copy: str) -> dict:
         report[name] = {"diff": (ours - theirs).abs().max().item(), "cross_node": gathers["cross_node_bytes"],
                         "gathered": gathers["bytes"]}
 
+    meshes = post_forward_meshes(list(fsdp_units(model)))
     with zeropp.generation_mode(model, copy=copy):
         check("first")
         check("reused")
@@ -140,6 +142,9 @@ def _stale_worker(rank: int, world_size: int, copy: str) -> dict:
         check("after_training_forward")
         check("reused_again")
     report["held_after_exit"] = held_secondary_copy_bytes(model)
+    # hpZ as before: every unit reshards after forward as it was sharded to
+    after = post_forward_meshes(list(fsdp_units(model)))
+    report["meshes_kept"] = len(after) == len(meshes) and all(a is b for a, b in zip(after, meshes))
     return report
 
 
@@ -160,6 +165,7 @@ def test_generation_mode_is_never_stale_and_frees_its_copy(copy: str) -> None:
         assert report["reused"]["cross_node"] == 0 and report["reused_again"]["cross_node"] == 0
         assert report["held"] == report["documented"] > 0
         assert report["held_after_exit"] == 0
+        assert report["meshes_kept"]
         if copy == "full":
             assert report["documented"] == report["parameter_bytes"]
             assert report["reused"]["gathered"] == 0 and report["reused_again"]["gathered"] == 0

@@ -14,7 +14,7 @@ name, this file is the only one to change. Verified against torch 2.11 and 2.13
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,9 +146,12 @@ def unsharded_bytes_held(units: Iterable[FSDPModule]) -> int:
     return total
 
 
-def post_forward_meshes(units: Iterable[FSDPModule]) -> list[Any]:
+def post_forward_meshes(units: Sequence[FSDPModule]) -> list[Any]:
     """Each unit's post-forward mesh: where FSDP2 reshards it after forward (the world, hpZ's
-    node group, or None: it stays whole)."""
+    node group, or None: it stays whole). ``units[0]`` must be the root: its lazy
+    initialisation runs first (FSDP2 runs it at the first forward, and it sets the root's mesh
+    to None), so the meshes read are those forwards use."""
+    units[0]._get_fsdp_state()._lazy_init()
     return [_param_group_attr(unit, "post_forward_mesh_info") for unit in units]
 
 

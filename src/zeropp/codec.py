@@ -161,7 +161,6 @@ class _Pieces:
         self.splits = [list(sizes) for sizes in splits]
         first = [sum(len(sizes) for sizes in self.splits[:i]) for i in range(len(self.splits))]
         flat = [first[source] + index for source, index in order if self.splits[source][index]]
-        self.width = sum(self.splits[source][index] for source, index in order)
         self._pick = operator.itemgetter(*flat) if len(flat) > 1 else (lambda pieces: (pieces[flat[0]],))
 
     def split(self, sources: Sequence[Tensor]) -> list[Tensor]:

@@ -65,8 +65,8 @@ class SecondaryCopies:
         """Open ``generation_mode`` contexts on this model."""
         self.copy = "node"
         """What the open contexts keep (``GENERATION_COPIES``)."""
-        self._meshes = post_forward_meshes(self.units)
-        """Each unit's post-forward mesh as sharded (hpZ's node groups)."""
+        self._meshes: list = []
+        """Each unit's post-forward mesh (hpZ's node groups), read when ``copy="full"`` clears them."""
         self._whole = False
         self._versions: tuple[int, ...] | None = None
         """The primary shards' version counters when the copies were last filled by a ``no_grad``
@@ -86,6 +86,8 @@ class SecondaryCopies:
         """Let the next forward leave its units whole (``copy="full"``), or reshard them to hpZ's
         node groups again."""
         if whole != self._whole:
+            if whole:
+                self._meshes = post_forward_meshes(self.units)
             set_post_forward_meshes(self.units, [None] * len(self.units) if whole else self._meshes)
             self._whole = whole
 
