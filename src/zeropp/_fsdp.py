@@ -69,7 +69,7 @@ class UnitLayout:
 
 def unit_layout(module: FSDPModule) -> UnitLayout:
     """Read a unit's parameter layout from FSDP2 (empty for a unit that owns no parameters)."""
-    param_group = module._get_fsdp_state()._fsdp_param_group
+    param_group = _param_group(module)
     if param_group is None:
         return UnitLayout([], [], [], [], [], 1, 1)
     world_size = param_group.mesh_info.shard_mesh_size
@@ -96,7 +96,7 @@ def register_primary_shards(unit: FSDPModule, whole: bool = False) -> None:
     edits) then sees the primary shards, while the backward still gathers from the secondary
     data. FSDP2 registers the primary shards itself again when it reshards. ``whole``: also for
     a unit left whole after forward (``generation_mode(copy="full")``)."""
-    param_group = unit._get_fsdp_state()._fsdp_param_group
+    param_group = _param_group(unit)
     if param_group is None:
         return
     states = (ShardedState.SHARDED_POST_FORWARD, ShardedState.UNSHARDED) if whole else \
@@ -110,15 +110,20 @@ def register_whole_parameters(unit: FSDPModule) -> None:
     """Before a forward that reuses a unit left whole: register its whole parameters on the
     module again (``register_primary_shards`` replaced them; FSDP2 skips the unshard that would
     register them, the unit being unsharded already)."""
-    param_group = unit._get_fsdp_state()._fsdp_param_group
+    param_group = _param_group(unit)
     if param_group is not None and param_group.is_unsharded:
         for fsdp_param in param_group.fsdp_params:
             fsdp_param._setattr_on_modules(fsdp_param.unsharded_param)
 
 
+def _param_group(unit: FSDPModule) -> Any:
+    """The unit's FSDP2 parameter group (None for a unit without parameters)."""
+    return unit._get_fsdp_state()._fsdp_param_group
+
+
 def _fsdp_params(units: Iterable[FSDPModule]) -> Iterator[Any]:
     for unit in units:
-        param_group = unit._get_fsdp_state()._fsdp_param_group
+        param_group = _param_group(unit)
         if param_group is not None:
             yield from param_group.fsdp_params
 
@@ -140,7 +145,7 @@ def unsharded_bytes_held(units: Iterable[FSDPModule]) -> int:
     """Bytes of whole (unsharded) parameters the units hold right now, outside a forward."""
     total = 0
     for unit in units:
-        group = unit._get_fsdp_state()._fsdp_param_group
+        group = _param_group(unit)
         if group is not None and group.is_unsharded:
             total += sum(p._unsharded_param.numel() * p._unsharded_param.element_size() for p in group.fsdp_params)
     return total
@@ -152,7 +157,7 @@ def post_forward_meshes(units: Sequence[FSDPModule]) -> list[Any]:
     initialisation runs first (FSDP2 runs it at the first forward, and it sets the root's mesh
     to None), so the meshes read are those forwards use."""
     units[0]._get_fsdp_state()._lazy_init()
-    return [_param_group_attr(unit, "post_forward_mesh_info") for unit in units]
+    return [None if (group := _param_group(unit)) is None else group.post_forward_mesh_info for unit in units]
 
 
 def set_post_forward_meshes(units: Iterable[FSDPModule], meshes: Iterable[Any]) -> None:
@@ -160,14 +165,9 @@ def set_post_forward_meshes(units: Iterable[FSDPModule], meshes: Iterable[Any]) 
     forward, which ``FSDPModule.set_reshard_after_forward(False)`` also does, but that cannot
     bring hpZ's node mesh back."""
     for unit, mesh in zip(units, meshes, strict=True):
-        group = unit._get_fsdp_state()._fsdp_param_group
+        group = _param_group(unit)
         if group is not None:
             group.post_forward_mesh_info = mesh
-
-
-def _param_group_attr(unit: FSDPModule, name: str) -> Any:
-    group = unit._get_fsdp_state()._fsdp_param_group
-    return None if group is None else getattr(group, name)
 
 
 def fsdp_units(model: nn.Module) -> Iterator[FSDPModule]:
