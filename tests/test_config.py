@@ -138,10 +138,13 @@ def test_zeropp_every_field_rejects_a_string(name: str) -> None:
         ("block_size", 4, "a power of two from 8 to 65536"),
         ("block_size", 131072, "a power of two from 8 to 65536"),
         ("block_size", 256.0, "a power of two from 8 to 65536"),
-        ("weight_bits", 2, "4 or 8"),
-        ("weight_bits", 8.0, "4 or 8"),
-        ("grad_bits_intra", 16, "4 or 8"),
-        ("grad_bits_inter", True, "4 or 8"),
+        ("weight_bits", 1, "an int from 2 to 8"),
+        ("weight_bits", 9, "an int from 2 to 8"),
+        ("weight_bits", 8.0, "an int from 2 to 8"),
+        ("grad_bits_intra", 16, "2, 4 or 8"),
+        ("grad_bits_intra", 6, "2, 4 or 8"),
+        ("grad_bits_inter", True, "2, 4 or 8"),
+        ("low_bit_trainable_weights", 1, "a bool"),
         ("param_dtype", torch.float64, "torch.bfloat16"),
         ("param_dtype", "bfloat16", "torch.bfloat16"),
         ("reduce_dtype", torch.int8, "torch.float32"),
@@ -163,6 +166,38 @@ def test_zeropp_accepts_mixed_precision_dtypes(dtype: torch.dtype | None) -> Non
 @pytest.mark.parametrize("block_size", [8, 256, 4096, 65536])
 def test_zeropp_accepts_powers_of_two(block_size: int) -> None:
     assert ZeroPPConfig(block_size=block_size, weight_bits=4).block_size == block_size
+
+
+@pytest.mark.parametrize("bits", range(2, 9))
+def test_zeropp_accepts_every_weight_width_for_frozen_weights(bits: int) -> None:
+    config = ZeroPPConfig(quantized_nontrainable_weights=True, weight_bits=bits)
+    assert config.weight_bits == bits and config.quantizes_weights
+
+
+def test_low_bit_trainable_weights_need_the_opt_in() -> None:
+    with pytest.raises(ValueError, match=r"weight_bits=2 with quantized_weights=true is not allowed.*3 levels"
+                                         r".*weight_bits >= 4.*quantized_nontrainable_weights.*low_bit_trainable"):
+        ZeroPPConfig(quantized_weights=True, weight_bits=2)
+    with pytest.raises(ValueError, match=r"weight_bits=3 with quantized_weights=true"):
+        ZeroPPConfig.from_deepspeed({"zero_optimization": {
+            "stage": 3, "zero_quantized_weights": True, "zeropp": {"weight_bits": 3}}})
+    config = ZeroPPConfig.from_deepspeed({"zero_optimization": {
+        "stage": 3, "zero_quantized_weights": True,
+        "zeropp": {"weight_bits": 2, "low_bit_trainable_weights": True}}})
+    assert (config.weight_bits, config.low_bit_trainable_weights) == (2, True)
+    assert ZeroPPConfig(quantized_weights=True, weight_bits=4).weight_bits == 4
+
+
+@pytest.mark.parametrize(("options", "key", "smallest"), [
+    ({"quantized_weights": True, "weight_bits": 6, "block_size": 8}, "weight_bits=6", 16),
+    ({"quantized_nontrainable_weights": True, "weight_bits": 3, "block_size": 16}, "weight_bits=3", 32),
+    ({"quantized_gradients": True, "grad_bits_inter": 2, "block_size": 8}, "grad_bits_inter=2", 16),
+])
+def test_block_size_must_fit_every_code_width(options: dict[str, Any], key: str, smallest: int) -> None:
+    with pytest.raises(ValueError, match=rf"block_size=\d+ is not allowed with {key}.*block_size >= {smallest}"):
+        ZeroPPConfig(**options)
+    assert ZeroPPConfig(**{**options, "block_size": smallest}).block_size == smallest
+    assert ZeroPPConfig(weight_bits=3, block_size=8).weight_bits == 3  # qwZ off: the width is unused
 
 
 def test_zeropp_is_frozen_and_keyword_only() -> None:
@@ -436,9 +471,9 @@ def test_bf16_and_fp16_together_are_an_error() -> None:
         ("zero_optimization.reduce_scatter", [], "a bool"),
         ("zero_optimization.zeropp", [], "a JSON object"),
         ("zero_optimization.zeropp.block_size", 100, "a power of two from 8 to 65536"),
-        ("zero_optimization.zeropp.weight_bits", 2, "4 or 8"),
-        ("zero_optimization.zeropp.grad_bits_intra", 8.0, "4 or 8"),
-        ("zero_optimization.zeropp.grad_bits_inter", 16, "4 or 8"),
+        ("zero_optimization.zeropp.weight_bits", 1, "an int from 2 to 8"),
+        ("zero_optimization.zeropp.grad_bits_intra", 8.0, "2, 4 or 8"),
+        ("zero_optimization.zeropp.grad_bits_inter", 16, "2, 4 or 8"),
         ("zero_optimization.zeropp.quantize_intra_node_weights", 0, "a bool"),
         ("zero_optimization.zeropp.error_feedback", "on", "a bool"),
         ("zero_optimization.zeropp.blocksize", 64, "accepts only block_size, weight_bits"),

@@ -108,7 +108,7 @@ def _qgz_worker(rank: int, world_size: int) -> list[dict]:
     for num_nodes, ranks_per_node in LAYOUTS[world_size]:
         topology = Topology(num_nodes=num_nodes, ranks_per_node=ranks_per_node)
         groups = build_process_groups(topology)
-        for bits_intra, bits_inter, dtype in [(4, 4, torch.float32), (8, 4, torch.bfloat16)]:
+        for bits_intra, bits_inter, dtype in [(4, 4, torch.float32), (8, 4, torch.bfloat16), (8, 2, torch.float32)]:
             comm = HierarchicalQuantizedReduceScatter(
                 groups, [world_size * s for s in segments], bits_intra=bits_intra,
                 bits_inter=bits_inter, block_size=BLOCK)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -33,8 +34,9 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK_SIZES = tuple(2**k for k in range(5, 13))  # 32 .. 4096
 # log2 of the input magnitude: down to fp32 subnormal scales, up to well below overflow.
 LOG2_MAGNITUDES = {torch.float32: (-140, 100), torch.bfloat16: (-140, 100), torch.float16: (-20, 8)}
+ALL_BITS = tuple(range(2, 9))
 EVERY_CODE = pytest.mark.parametrize(
-    ("bits", "dtype"), [(bits, dtype) for bits in (4, 8) for dtype in DTYPES], ids=str
+    ("bits", "dtype"), [(bits, dtype) for bits in ALL_BITS for dtype in DTYPES], ids=str
 )
 PROPERTY = settings(max_examples=12, deadline=None, derandomize=True)
 
@@ -61,7 +63,7 @@ class Case:
 
     @property
     def qmax(self) -> int:
-        """Largest code magnitude: 127 for 8 bits, 7 for 4 bits."""
+        """Largest code magnitude: 127 for 8 bits, 7 for 4 bits, 1 for 2 bits."""
         return 2 ** (self.bits - 1) - 1
 
     @property
@@ -96,11 +98,13 @@ def cases(
 
 
 def reference_codes(data: torch.Tensor, bits: int) -> torch.Tensor:
-    """Integer codes of the documented layout: int8 bytes, or ``code + 8`` nibbles, low first."""
+    """Integer codes of the documented layout, read bit by bit: int8 bytes at 8 bits; below,
+    ``code + 2**(bits - 1)`` in consecutive ``bits``-wide fields of the little-endian bit stream."""
     if bits == 8:
         return data.view(torch.int8).long()
-    low, high = (data & 0x0F).long() - 8, (data >> 4).long() - 8
-    return torch.stack((low, high), dim=1).reshape(-1)
+    stream = np.unpackbits(data.numpy(), bitorder="little")
+    fields = stream[: stream.size // bits * bits].reshape(-1, bits).astype(np.int64)
+    return torch.from_numpy(fields @ (1 << np.arange(bits))) - 2 ** (bits - 1)
 
 
 def per_element(values: torch.Tensor, block_size: int, numel: int) -> torch.Tensor:
@@ -271,7 +275,7 @@ def test_subnormal_scale_is_rounded_up_not_clipped() -> None:
     assert torch.equal(dequantize(payload, scales, 8, 8, 8, torch.float32), x)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", ALL_BITS)
 def test_finite_input_near_fp32_max_decodes_finite(bits: int) -> None:
     largest = torch.finfo(torch.float32).max
     gen = torch.Generator().manual_seed(bits)
@@ -358,7 +362,24 @@ def test_int4_stores_two_codes_per_byte_low_nibble_first() -> None:
     assert payload.numel() == 1000 // 2
 
 
-@pytest.mark.parametrize("bits", (4, 8))
+def test_odd_widths_pack_densely_little_endian() -> None:
+    """6 bits: 4 codes in 3 bytes; 3 bits: 8 codes in 3 bytes; 2 bits: 4 codes per byte."""
+    x = torch.tensor([31.0, -31, 1, 0] * 8)  # absmax 31 = qmax at 6 bits: codes = x
+    payload, scales = quantize(x, 6, 32)
+    assert scales.tolist() == [1.0] and payload.numel() == 24  # 32 codes * 6 bits = 24 bytes
+    fields = [63, 1, 33, 32]  # code + 32
+    word = sum(f << (6 * i) for i, f in enumerate(fields))
+    assert payload[:3].tolist() == [word & 255, word >> 8 & 255, word >> 16]
+    x = torch.tensor([3.0, -3, 2, -2, 1, -1, 0, 3] * 4)  # qmax 3 at 3 bits
+    payload, _ = quantize(x, 3, 32)
+    word = sum((int(c) + 4) << (3 * i) for i, c in enumerate(x[:8].tolist()))
+    assert payload.numel() == 12 and payload[:3].tolist() == [word & 255, word >> 8 & 255, word >> 16]
+    x = torch.tensor([1.0, -1, 0, 1] * 8)  # qmax 1 at 2 bits: codes -1, 0, 1 stored as 1, 2, 3
+    payload, _ = quantize(x, 2, 32)
+    assert payload.numel() == 8 and payload[0].item() == 3 | 1 << 2 | 2 << 4 | 3 << 6
+
+
+@pytest.mark.parametrize("bits", ALL_BITS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_codes_and_decode_equal_the_formula(bits: int, dtype: torch.dtype) -> None:
     """Every code is round-half-even(x / scale) with scale = absmax / qmax in fp32, and every
@@ -372,11 +393,7 @@ def test_codes_and_decode_equal_the_formula(bits: int, dtype: torch.dtype) -> No
     expected_scales = blocks.abs().amax(dim=1) / qmax
     assert torch.equal(scales, expected_scales)
     expected_codes = torch.round(blocks / expected_scales[:, None]).flatten()[:1000].to(torch.int64)
-    if bits == 8:
-        codes = payload.view(torch.int8).to(torch.int64)
-    else:
-        codes = torch.stack((payload & 15, payload >> 4), dim=1).flatten().to(torch.int64) - 8
-    assert torch.equal(codes, expected_codes)
+    assert torch.equal(reference_codes(payload, bits)[:1000], expected_codes)
     for out_dtype in (torch.float32, torch.bfloat16, torch.float64):
         decoded = dequantize(payload, scales, bits, 64, 1000, out_dtype)
         reference = (expected_codes.float() * expected_scales.repeat_interleave(64)[:1000]).to(out_dtype)
@@ -400,9 +417,9 @@ def test_error_bound_is_half_the_block_scale() -> None:
 x8 = torch.randn(64)
 
 
-@pytest.mark.parametrize("bits", [0, 1, 2, 3, 5, 16, True, 8.0])
+@pytest.mark.parametrize("bits", [0, 1, 9, 16, True, 8.0])
 def test_invalid_bits_is_rejected(bits: object) -> None:
-    with pytest.raises(ValueError, match=r"bits=.*allowed: \(4, 8\)"):
+    with pytest.raises(ValueError, match=r"bits=.*allowed: \(2, 3, 4, 5, 6, 7, 8\)"):
         quantize(x8, bits, 32)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"bits="):
         packed_numel(64, bits, 32)  # type: ignore[arg-type]
@@ -414,6 +431,14 @@ def test_invalid_block_size_is_rejected(block_size: object) -> None:
         quantize(x8, 8, block_size)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"block_size="):
         error_bound(torch.ones(1), block_size, 8)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("bits", "block_size", "smallest"), [(2, 8, 16), (3, 16, 32), (6, 8, 16), (7, 16, 32)])
+def test_block_too_small_for_the_width_is_rejected(bits: int, block_size: int, smallest: int) -> None:
+    with pytest.raises(ValueError, match=rf"block_size={block_size} is not allowed with bits={bits}.*"
+                                         rf"allowed: block_size >= {smallest}"):
+        quantize(x8, bits, block_size)
+    quantize(x8, bits, smallest)
 
 
 def test_invalid_buffers_are_rejected() -> None:

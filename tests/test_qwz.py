@@ -52,10 +52,18 @@ def _quantized_gather_worker(rank: int, world_size: int) -> dict:
     quantizing = QuantizedAllGather(topology, [4 * 37], [True], bits=4, block_size=32, quantize_intra_node=True)
     shards, out, codec = _gather(quantizing, groups.intra_node_group, 2, local, torch.float32)
     intra_quantized = torch.equal(out, torch.cat([_expected(s, codec) for s in shards]))
-    return {"exact": exact, "world_bytes": world_bytes,
+    intra_kinds = ledger.summary(technique="hpZ")["by_group"]
+    widths = {}
+    for bits in range(2, 9):  # every width: exact, and the ledger counts what the math says
+        comm = QuantizedAllGather(topology, [4 * 37, 4 * 5, 4 * 300], [True, False, True], bits=bits, block_size=32)
+        ledger.reset()
+        shards, out, codec = _gather(comm, world, world_size, rank, torch.float32)
+        widths[bits] = {"exact": torch.equal(out, torch.cat([_expected(shard, codec) for shard in shards])),
+                        "bytes": ledger.summary()["by_group"]["world"]["bytes"]}
+    return {"exact": exact, "world_bytes": world_bytes, "widths": widths,
             "expected_world_bytes": 3 * (nbytes_fp32 + 2 * nbytes_16),
             "intra_exact": intra_exact, "intra_quantized": intra_quantized,
-            "intra_kinds": zeropp.comm_ledger().summary(technique="hpZ")["by_group"]}
+            "intra_kinds": intra_kinds}
 
 
 def test_quantized_gather_equals_dequantized_shards_exactly() -> None:
@@ -66,6 +74,11 @@ def test_quantized_gather_equals_dequantized_shards_exactly() -> None:
         assert r["world_bytes"] == r["expected_world_bytes"]
         assert r["intra_exact"] and r["intra_quantized"]
         assert set(r["intra_kinds"]) == {"intra"}
+        for bits, width in r["widths"].items():
+            # per parameter slice: codes of bits each, rounded up to 4 bytes, then a 4-byte fp32
+            # scale per block of 32; the raw fp32 slice of 5 elements; sent to 3 peers
+            quantized = sum(-(-n * bits // 32) * 4 + 4 * -(-n // 32) for n in (37, 300))
+            assert width == {"exact": True, "bytes": 3 * (quantized + 5 * 4)}, bits
 
 
 def _train_modes_worker(rank: int, world_size: int, steps: int) -> dict:

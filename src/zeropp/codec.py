@@ -86,7 +86,7 @@ class ChunkCodec:
         not apply: the layout does not allow it, the Triton kernels are chosen, or raw segments
         would be read or written in a dtype other than the codec's."""
         plan = self._plan
-        if plan is None or quant._use_triton(data.device) or (plan.has_raw and data.dtype != self.dtype):
+        if plan is None or quant._use_triton(data.device, plan.bits) or (plan.has_raw and data.dtype != self.dtype):
             return None
         return plan
 
@@ -242,11 +242,7 @@ class _OnePassPlan:
             blocks, fresh = self.blocks.cat(pieces).float().view(-1, block_size), True
         scales = quant._block_scales(blocks, self.bits)
         codes = quant._block_codes(blocks, scales, overwrite=fresh).view(rows, -1)
-        if self.bits == 8:
-            code_bytes = codes.to(torch.int8).view(torch.uint8)
-        else:  # byte = (even + 8) + 16 * (odd + 8), as quant._store_codes
-            code_bytes = torch.add(codes[:, 0::2], codes[:, 1::2], alpha=16).add_(8 + 16 * 8).to(torch.uint8)
-        sources = [code_bytes, scales.view(rows, -1).view(torch.uint8)]
+        sources = [quant.pack_codes(codes, self.bits), scales.view(rows, -1).view(torch.uint8)]
         if self.has_raw:
             sources += [chunks.view(torch.uint8), chunks.new_zeros((rows, self.num_zero_bytes), dtype=torch.uint8)]
         self.payload.cat(self.payload.split(sources), out=out)
@@ -254,11 +250,7 @@ class _OnePassPlan:
     def decode(self, packed: Tensor, out: Tensor) -> None:
         rows, block_size = packed.shape[0], self.block_size
         pieces = self.codes.split([packed, packed.new_zeros((rows, self.num_junk))])
-        code_bytes = self.codes.cat(pieces)
-        if self.bits == 8:
-            codes = code_bytes.view(torch.int8).float()
-        else:
-            codes = torch.stack((code_bytes & 0x0F, code_bytes >> 4), dim=-1).view(rows, -1).float().sub_(8)
+        codes = quant.unpack_codes(self.codes.cat(pieces), self.bits)
         scales = self.scales.cat(pieces).view(torch.float32)
         values = codes.view(rows, -1, block_size).mul_(scales[:, :, None]).view(rows, -1)
         if self.aligned:

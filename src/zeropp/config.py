@@ -20,6 +20,8 @@ from typing import Any, NoReturn
 
 import torch
 
+from zeropp.quant import min_block_size
+
 logger = logging.getLogger("zeropp")
 
 Checker = Callable[[str, Any], Any]
@@ -67,7 +69,8 @@ _POSITIVE_INT = _checker("an int >= 1", lambda v: _is_int(v) and v >= 1)
 _NON_NEGATIVE_INT = _checker("an int >= 0", lambda v: _is_int(v) and v >= 0)
 _NON_NEGATIVE = _checker("a finite number >= 0", lambda v: _is_real(v) and v >= 0, float)
 _POSITIVE = _checker("a finite number > 0", lambda v: _is_real(v) and v > 0, float)
-_BITS = _checker("4 or 8", lambda v: _is_int(v) and v in (4, 8))
+_WEIGHT_BITS = _checker("an int from 2 to 8", lambda v: _is_int(v) and 2 <= v <= 8)
+_GRAD_BITS = _checker("2, 4 or 8", lambda v: _is_int(v) and v in (2, 4, 8))
 _SECTION = _checker("a JSON object {...}", lambda v: isinstance(v, dict))
 _DTYPE = _checker(
     "None (keep the model's dtype), torch.float32, torch.bfloat16 or torch.float16",
@@ -106,11 +109,12 @@ def _check_type_name(key: str, value: Any, names: Mapping[str, Any], any_case: b
 
 _ZEROPP_CHECKS: dict[str, Checker] = {
     **dict.fromkeys(("quantized_weights", "quantized_nontrainable_weights", "quantized_gradients",
-                     "quantize_intra_node_weights", "error_feedback"), _BOOL),
+                     "quantize_intra_node_weights", "error_feedback", "low_bit_trainable_weights"), _BOOL),
     "hpz_partition_size": _POSITIVE_INT,
     "block_size": _checker("a power of two from 8 to 65536",
                            lambda v: _is_int(v) and 8 <= v <= 65536 and v & (v - 1) == 0),
-    **dict.fromkeys(("weight_bits", "grad_bits_intra", "grad_bits_inter"), _BITS),
+    "weight_bits": _WEIGHT_BITS,
+    **dict.fromkeys(("grad_bits_intra", "grad_bits_inter"), _GRAD_BITS),
     **dict.fromkeys(("param_dtype", "reduce_dtype"), _DTYPE),
 }
 
@@ -130,13 +134,18 @@ class ZeroPPConfig:
     block_size: int = 256
     """Consecutive elements sharing one quantization scale; a power of two from 8 to 65536."""
     weight_bits: int = 8
-    """Bits per weight element in the qwZ all-gather: 4 or 8."""
+    """Bits per weight element in the qwZ all-gather: 2 to 8. The ZeRO++ paper pretrains with 8
+    or 6 and fine-tunes frozen weights with 4 or 2; below 4 on trainable weights needs
+    ``low_bit_trainable_weights``. ``block_size * weight_bits`` must be a multiple of 32."""
+    low_bit_trainable_weights: bool = False
+    """Allow ``weight_bits`` below 4 with ``quantized_weights`` (which quantizes the weights being
+    trained, not only frozen ones): an explicit opt-in, since 2 bits leave three levels per block."""
     grad_bits_intra: int = 4
-    """Bits per gradient element on qgZ's intra-node hop: 4 or 8. 4 is DeepSpeed's and converged
+    """Bits per gradient element on qgZ's intra-node hop: 2, 4 or 8. 4 is DeepSpeed's and converged
     the GPT within 1% of ZeRO-3 (README); 8 halves this hop's error on the fast link and leaves
     the cross-node hop (the bytes qgZ exists to cut) at INT4."""
     grad_bits_inter: int = 4
-    """Bits per gradient element on qgZ's inter-node hop: 4 or 8."""
+    """Bits per gradient element on qgZ's inter-node hop: 2, 4 or 8."""
     quantize_intra_node_weights: bool = False
     """hpZ + qwZ: also quantize the intra-node backward all-gather (default: full precision)."""
     error_feedback: bool = False
@@ -148,6 +157,29 @@ class ZeroPPConfig:
 
     def __post_init__(self) -> None:
         _check_fields(self, _ZEROPP_CHECKS)
+        self._check_bits()
+
+    def _check_bits(self) -> None:
+        """Each code width fits the block size, and 2- or 3-bit trainable weights are asked for."""
+        widths = {"weight_bits": self.weight_bits} if self.quantizes_weights else {}
+        if self.quantized_gradients:
+            widths.update(grad_bits_intra=self.grad_bits_intra, grad_bits_inter=self.grad_bits_inter)
+        for key, bits in widths.items():
+            if self.block_size * bits % 32:
+                raise ValueError(f"block_size={self.block_size} is not allowed with {key}={bits}: a block's "
+                                 f"codes must fill whole 4-byte words; allowed: block_size >= {min_block_size(bits)}")
+        if self.quantized_weights and self.weight_bits < 4 and not self.low_bit_trainable_weights:
+            raise ValueError(
+                f"weight_bits={self.weight_bits} with quantized_weights=true is not allowed: it would quantize the "
+                f"weights being trained to {2 ** self.weight_bits - 1} levels per block, and the ZeRO++ paper uses "
+                "2 and 3 bits only for frozen weights. Allowed: weight_bits >= 4; or quantized_nontrainable_weights "
+                "alone (frozen weights, e.g. a LoRA base); or low_bit_trainable_weights=true (DeepSpeed JSON: "
+                "zero_optimization.zeropp.low_bit_trainable_weights) to train through the coarse code anyway")
+
+    @property
+    def quantizes_weights(self) -> bool:
+        """Whether qwZ codes any weights (all of them, or the frozen ones)."""
+        return self.quantized_weights or self.quantized_nontrainable_weights
 
     @classmethod
     def from_deepspeed(cls, config: dict[str, Any] | str | os.PathLike[str]) -> ZeroPPConfig:
@@ -352,7 +384,7 @@ _DEEPSPEED_KEYS: dict[str, tuple[str, str]] = {
     "zero_optimization.zero_quantized_gradients": ("zeropp", "quantized_gradients"),
     **{f"zero_optimization.zeropp.{name}": ("zeropp", name) for name in (
         "block_size", "weight_bits", "grad_bits_intra", "grad_bits_inter",
-        "quantize_intra_node_weights", "error_feedback")},
+        "quantize_intra_node_weights", "error_feedback", "low_bit_trainable_weights")},
     "bf16.enabled": ("training", "bf16"),
     "fp16.enabled": ("training", "fp16"),
     **{f"fp16.{name}": ("training", name) for name in (

@@ -1,4 +1,4 @@
-"""Symmetric block quantization (INT8 / INT4, fp32 scales) and its one-buffer packing.
+"""Symmetric block quantization (2 to 8 bits, fp32 scales) and its one-buffer packing.
 
 ZeRO++ (Wang et al., 2023, §3.1, §3.3) quantizes weights before the all-gather (qwZ) and
 gradients before the all-to-all (qgZ). Both cut a flat tensor into blocks of ``block_size``
@@ -6,7 +6,7 @@ consecutive elements, each with its own scale so an outlier costs precision only
 and ship codes and scales together. Pure tensor math: the same code runs on CPU and CUDA.
 
 [Note: block code]
-With block absmax ``a`` and ``qmax = 2**(bits - 1) - 1`` (127 or 7), scale = ``a / qmax`` in
+With block absmax ``a`` and ``qmax = 2**(bits - 1) - 1`` (127 at 8 bits, 7 at 4, 1 at 2), scale = ``a / qmax`` in
 fp32 and code = ``round(x / scale)`` in ``[-qmax, qmax]``: the absmax element maps to ``±qmax``,
 so nothing clips, and ``|x - code * scale| <= scale / 2`` up to fp32 rounding of the division
 and product. A zero block gets scale 0 and decodes to exact zeros. A scale below the smallest
@@ -20,17 +20,23 @@ to NaN (overflow checks and loss scalers still see it) and no NaN is ever cast t
 which is undefined behaviour.
 
 [Note: packed layout]
-A packed uint8 buffer is ``[codes | fp32 scales of all blocks]``. Codes are int8 bytes, or for
-4 bits ``code + 8`` nibbles, the even element in the low nibble; they cover the real elements
+A packed uint8 buffer is ``[codes | fp32 scales of all blocks]``. At 8 bits the codes are int8
+bytes. Below 8 bits each code is stored as the unsigned field ``code + 2**(bits - 1)``, packed
+densely and little-endian: element ``i`` takes bits ``[i * bits, (i + 1) * bits)`` of the code
+stream, bit 0 being the lowest bit of byte 0. So 4 bits are two nibbles per byte, the even
+element in the low nibble; 6 bits are 3 bytes per 4 elements. The codes cover the real elements
 only (the last block is zero-padded inside the computation, not on the wire), rounded up to 4
 bytes, so the scales, and every buffer in a run of consecutive ones (one per rank's chunk), are
-4-byte aligned. A run of ``num_chunks`` buffers is coded in one vectorised pass; blocks never straddle
-two chunks.
+4-byte aligned. A block's codes fill whole 4-byte words (``block_size * bits`` is a multiple of
+32), so codes computed over whole blocks always cover those bytes. A run of ``num_chunks``
+buffers is coded in one vectorised pass; blocks never straddle two chunks.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import sys
 
 import torch
 from torch import Tensor
@@ -43,6 +49,8 @@ __all__ = [
     "dequantize_from",
     "dequantize_packed",
     "error_bound",
+    "min_block_size",
+    "pack_codes",
     "packed_numel",
     "quantize",
     "quantize_chunks",
@@ -51,9 +59,10 @@ __all__ = [
     "quantize_rows",
     "dequantize_rows",
     "set_kernel",
+    "unpack_codes",
 ]
 
-ALLOWED_BITS = (4, 8)
+ALLOWED_BITS = (2, 3, 4, 5, 6, 7, 8)
 MIN_BLOCK_SIZE = 8
 MAX_BLOCK_SIZE = 65536
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -78,13 +87,18 @@ def set_kernel(name: str) -> str:
     return previous
 
 
-def _use_triton(device: torch.device) -> bool:
+def _use_triton(device: torch.device, bits: int) -> bool:
     """Whether this call takes the Triton kernels, per ``set_kernel``."""
     if _kernel == "torch":
         return False
-    usable = quant_triton.available(device)
+    usable = quant_triton.available(device) and bits in quant_triton.BITS
     if _kernel == "triton" and not usable:
-        reason = "Triton is not installed" if quant_triton.triton is None else f"the tensor is on {device}"
+        if bits not in quant_triton.BITS:
+            reason = f"they code {' and '.join(map(str, quant_triton.BITS))} bits, not {bits}"
+        elif quant_triton.triton is None:
+            reason = "Triton is not installed"
+        else:
+            reason = f"the tensor is on {device}"
         raise RuntimeError(f"the quantization kernel is set to 'triton', but {reason}; the Triton "
                            "kernels need a CUDA tensor and Triton (set ZEROPP_QUANT_KERNEL=auto or torch)")
     return usable
@@ -95,6 +109,16 @@ def _check_config(bits: int, block_size: int) -> None:
     if not isinstance(bits, int) or isinstance(bits, bool) or bits not in ALLOWED_BITS:
         raise ValueError(f"bits={bits!r} is not supported; allowed: {ALLOWED_BITS}")
     _check_block_size(block_size)
+    if block_size * bits % 32:
+        raise ValueError(
+            f"block_size={block_size} is not allowed with bits={bits}: a block's codes must fill whole "
+            f"4-byte words (block_size * bits a multiple of 32); allowed: block_size >= {min_block_size(bits)}"
+        )
+
+
+def min_block_size(bits: int) -> int:
+    """The smallest block size whose codes fill whole 4-byte words at ``bits`` per element."""
+    return max(MIN_BLOCK_SIZE, 32 // math.gcd(bits, 32))
 
 
 def _check_block_size(block_size: int) -> None:
@@ -211,17 +235,68 @@ def _block_codes(blocks: Tensor, scales: Tensor, overwrite: bool) -> Tensor:
     return codes
 
 
-def _store_codes(codes: Tensor, bits: int, data_out: Tensor) -> None:
-    """Write the leading fp32 codes of (num_chunks, padded_numel) into ``data_out`` as int8 or
-    nibbles (``data_out`` holds at least the real elements; the codes past them are zeros)."""
-    num_codes = data_out.shape[1] * 8 // bits
-    codes = codes[:, :num_codes]
+def pack_codes(codes: Tensor, bits: int) -> Tensor:
+    """Integer-valued fp32 codes (rows, n) as packed bytes (rows, n * bits / 8) in the layout of
+    [Note: packed layout]; ``n`` is a multiple of 8 (whole blocks are)."""
     if bits == 8:
-        data_out.view(torch.int8).copy_(codes)
+        return codes.to(torch.int8).view(torch.uint8)
+    rows, offset = codes.shape[0], 2 ** (bits - 1)
+    if 8 % bits == 0:  # whole fields per byte: their weighted sum is exact in fp32 (at most 255)
+        per_byte = 8 // bits
+        packed = codes[:, 0::per_byte]
+        for field in range(1, per_byte):
+            packed = torch.add(packed, codes[:, field::per_byte], alpha=2 ** (bits * field))
+        return packed.add_(offset * sum(2 ** (bits * f) for f in range(per_byte))).to(torch.uint8)
+    # 8 fields make one little-endian 64-bit word, of which the low ``bits`` bytes are kept
+    shifts = torch.arange(0, 8 * bits, bits, dtype=torch.int64, device=codes.device)
+    words = ((codes.view(rows, -1, 8).to(torch.int64) + offset) << shifts).sum(dim=2)
+    return _word_bytes(words).view(rows, -1, 8)[:, :, :bits].reshape(rows, -1)
+
+
+def unpack_codes(data: Tensor, bits: int) -> Tensor:
+    """Packed bytes (rows, nbytes) back to fp32 codes (rows, >= nbytes * 8 // bits); the codes
+    past the last whole field, if any, are garbage and must be ignored."""
+    if bits == 8:
+        return data.view(torch.int8).float()
+    rows, offset, mask = data.shape[0], 2 ** (bits - 1), 2**bits - 1
+    if 8 % bits == 0:
+        fields = [data & mask] + [(data >> (bits * f)) & mask for f in range(1, 8 // bits)]
+        return torch.stack(fields, dim=-1).view(rows, -1).float().sub_(offset)
+    num_words = -(-data.shape[1] // bits)
+    staged = data.new_zeros((rows, num_words * bits))
+    staged[:, :data.shape[1]] = data
+    word_bytes = data.new_zeros((rows, num_words, 8))
+    word_bytes[:, :, :bits] = staged.view(rows, num_words, bits)
+    shifts = torch.arange(0, 8 * bits, bits, dtype=torch.int64, device=data.device)
+    fields = (_bytes_word(word_bytes)[:, :, None] >> shifts) & mask
+    return fields.view(rows, -1).float().sub_(offset)
+
+
+def _word_bytes(words: Tensor) -> Tensor:
+    """int64 words (rows, n) as their bytes, least significant first (rows, 8n)."""
+    if sys.byteorder == "little":
+        return words.view(torch.uint8)
+    shifts = torch.arange(0, 64, 8, dtype=torch.int64, device=words.device)
+    return ((words[:, :, None] >> shifts) & 0xFF).to(torch.uint8).view(words.shape[0], -1)
+
+
+def _bytes_word(word_bytes: Tensor) -> Tensor:
+    """Bytes (rows, n, 8), least significant first, as int64 words (rows, n)."""
+    if sys.byteorder == "little":
+        return word_bytes.view(torch.int64).squeeze(2)
+    shifts = torch.arange(0, 64, 8, dtype=torch.int64, device=word_bytes.device)
+    return (word_bytes.to(torch.int64) << shifts).sum(dim=2)
+
+
+def _store_codes(codes: Tensor, bits: int, data_out: Tensor) -> None:
+    """Write the leading fp32 codes of (num_chunks, padded_numel) into ``data_out`` packed
+    (``data_out`` holds at least the real elements; the codes past them are zeros)."""
+    data_bytes = data_out.shape[1]
+    if bits == 8:
+        data_out.view(torch.int8).copy_(codes[:, :data_bytes])
         return
-    # byte = (even + 8) + 16 * (odd + 8), computed exactly in fp32 (|code| <= 7), then narrowed
-    pairs = torch.add(codes[:, 0::2], codes[:, 1::2], alpha=16).add_(8 + 16 * 8)
-    data_out.copy_(pairs)
+    num_codes = -(-data_bytes // bits) * 8  # whole 8-code groups covering the bytes
+    data_out.copy_(pack_codes(codes[:, :num_codes], bits)[:, :data_bytes])
 
 
 def _multiply_blocks(codes: Tensor, scales: Tensor, block_size: int, out: Tensor) -> None:
@@ -264,7 +339,7 @@ def _encode_into(
 ) -> None:
     """Quantize ``chunks`` (num_chunks, chunk_numel) into the views ``data_out``
     (num_chunks, data_bytes) and ``scales_out`` (num_chunks, num_blocks), all rows at once."""
-    if _use_triton(chunks.device):
+    if _use_triton(chunks.device, bits):
         quant_triton.encode_rows(chunks, bits, block_size, data_out, scales_out)
         return
     blocks, is_copy = _to_blocks(chunks, block_size)  # (num_chunks * num_blocks, block_size)
@@ -277,21 +352,18 @@ def _encode_into(
 def _decode_into(data: Tensor, scales: Tensor, bits: int, block_size: int, out: Tensor) -> None:
     """Dequantize codes (num_chunks, data_bytes) and scales (num_chunks, num_blocks) into
     ``out`` (num_chunks, chunk_numel): ``code * scale`` in fp32, then cast to out's dtype."""
-    if _use_triton(out.device):
+    if _use_triton(out.device, bits):
         quant_triton.decode_rows(data, scales, bits, block_size, out)
         return
-    if bits == 8:
-        codes = data.view(torch.int8)
-    else:  # each byte becomes its two codes (low nibble first), exact in fp32
-        codes = torch.stack((data & 0x0F, data >> 4), dim=-1).view(data.shape[0], -1).float().sub_(8)
+    codes = data.view(torch.int8) if bits == 8 else unpack_codes(data, bits)
     _multiply_blocks(codes, scales, block_size, out)
 
 
 def quantize(x: Tensor, bits: int, block_size: int) -> tuple[Tensor, Tensor]:
     """Quantize ``x`` (flattened) to ``(data, scales)``: uint8 codes and fp32 per-block scales.
 
-    ``data`` has one byte per padded element for 8 bits and one per two for 4 bits
-    (see [Note: packed layout]); ``scales`` has shape (num_blocks,).
+    ``data`` has ``bits`` bits per element, rounded up to 4 bytes (see [Note: packed layout]);
+    ``scales`` has shape (num_blocks,).
     """
     _check_config(bits, block_size)
     _check_dtype("x.dtype", x.dtype, INPUT_DTYPES)

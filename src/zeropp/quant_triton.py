@@ -31,7 +31,10 @@ try:
 except ImportError:  # CPU-only installs: zeropp.quant keeps its torch path
     triton = None
 
-__all__ = ["available", "encode_rows", "decode_rows"]
+__all__ = ["BITS", "available", "encode_rows", "decode_rows"]
+
+BITS = (4, 8)
+"""The code widths the kernels take; ``zeropp.quant`` codes the others with its torch path."""
 
 _ELEMENTS_PER_PROGRAM = 4096
 _FP32_TINY = 1.1754943508222875e-38  # smallest normal fp32
