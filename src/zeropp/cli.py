@@ -30,7 +30,7 @@ COMMANDS: dict[str, Command] = {
     "rlhf": Command("zeropp.bench.rlhf", "add_arguments",
                     "an RLHF loop (sample, reward, REINFORCE step) under ZeRO-3 and ZeRO++"),
     "checkpoint": Command("zeropp.checkpoint_tools", "add_arguments",
-                          "inspect or consolidate a zeropp checkpoint"),
+                          "inspect, consolidate or export (GGUF Q8_0, int8) a zeropp checkpoint"),
     "cluster": Command("zeropp.cluster.cli", "add_cluster_arguments",
                        "the emulated cluster: network namespaces + tc"),
     "launch": Command("zeropp.cluster.cli", "add_launch_arguments",

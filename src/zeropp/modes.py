@@ -57,6 +57,10 @@ MODES: dict[str, Mode] = {mode.name: mode for mode in (
     Mode(name="qwz", summary="qwZ: INT8 weight all-gather", options={"quantized_weights": True}),
     Mode(name="qnw", summary="INT8 all-gather of frozen weights only",
          options={"quantized_nontrainable_weights": True}),
+    Mode(name="qnw4", summary="INT4 all-gather of frozen weights only",
+         options={"quantized_nontrainable_weights": True, "weight_bits": 4}),
+    Mode(name="qnw2", summary="INT2 all-gather of frozen weights only",
+         options={"quantized_nontrainable_weights": True, "weight_bits": 2}),
     Mode(name="hpz", summary="hpZ: secondary weight partition inside the node", hpz=True),
     Mode(name="qgz", summary="qgZ: INT4 two-hop gradient all-to-all", options={"quantized_gradients": True}),
     Mode(name="qgz_ef", summary="qgZ with error feedback",
@@ -72,6 +76,7 @@ MODES: dict[str, Mode] = {mode.name: mode for mode in (
          hpz=True),
     Mode(name="all_int8_intra", summary="all three, qgZ INT8 intra-node hop",
          options={**_ALL, "grad_bits_intra": 8}, hpz=True),
+    Mode(name="all_w6", summary="all three, qwZ with 6-bit weights", options={**_ALL, "weight_bits": 6}, hpz=True),
 )}
 """Every mode by name. ``zero3`` is the baseline every comparison is made against."""
 

@@ -30,6 +30,15 @@ bytes, so the scales, and every buffer in a run of consecutive ones (one per ran
 4-byte aligned. A block's codes fill whole 4-byte words (``block_size * bits`` is a multiple of
 32), so codes computed over whole blocks always cover those bytes. A run of ``num_chunks``
 buffers is coded in one vectorised pass; blocks never straddle two chunks.
+
+[Note: scratch buffers]
+On CPU a fresh tensor of more than a few MB is new memory from the operating system, and its
+first touch costs a page fault per 4 KiB page: measured here, a pass that writes a new 64 MB
+fp32 tensor costs about six times the same pass into an existing one. The block code needs
+full-size fp32 temporaries (the blocks of a cast or padded input, the codes before narrowing,
+the decoded values before a cast), so on CPU it takes them from scratch buffers, one per
+thread and role, grown as needed and reused by every call (``_scratch``); a scratch view never
+leaves the function that took it. On CUDA the caching allocator already reuses memory.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import threading
 
 import torch
 from torch import Tensor
@@ -170,6 +180,21 @@ def _check_out(out: Tensor, numel: int) -> None:
         raise ValueError(f"out (strides {out.stride()}) is not allowed; allowed: contiguous")
 
 
+_scratch_buffers = threading.local()
+
+
+def _scratch(role: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """An uninitialised tensor for a temporary, reused across calls on CPU ([Note: scratch buffers])."""
+    if device.type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    buffers = _scratch_buffers.__dict__.setdefault("buffers", {})
+    numel = math.prod(shape)
+    buffer = buffers.get((role, dtype))
+    if buffer is None or buffer.numel() < numel:
+        buffer = buffers[(role, dtype)] = torch.empty(numel, dtype=dtype)
+    return buffer[:numel].view(shape)
+
+
 def _num_blocks(numel: int, block_size: int) -> int:
     """Number of blocks covering ``numel`` elements, the last one zero-padded."""
     return -(-numel // block_size)
@@ -199,7 +224,7 @@ def _to_blocks(chunks: Tensor, block_size: int) -> tuple[Tensor, bool]:
     padding = -numel % block_size
     if chunks.dtype == torch.float32 and not padding:
         return chunks.reshape(-1, block_size), False
-    blocks = torch.empty((num_chunks, numel + padding), dtype=torch.float32, device=chunks.device)
+    blocks = _scratch("blocks", (num_chunks, numel + padding), torch.float32, chunks.device)
     blocks[:, :numel].copy_(chunks)
     blocks[:, numel:].zero_()
     return blocks.view(-1, block_size), True
@@ -225,12 +250,15 @@ def _block_codes(blocks: Tensor, scales: Tensor, overwrite: bool) -> Tensor:
     Dividing by inf maps a zero block to 0 and a non-finite block to 0 or NaN; nan_to_num_
     then zeroes the NaNs, so the later integer cast never sees one. Only a NaN scale (a
     non-finite block) can leave a NaN, so on CPU, where asking costs no device sync, the pass
-    is skipped when there is none.
+    is skipped when there is none (not under torch.compile, which cannot branch on data).
     """
     divisors = torch.where(scales > 0, scales, torch.inf)[:, None]
-    codes = blocks.div_(divisors) if overwrite else blocks / divisors
+    if overwrite:
+        codes = blocks.div_(divisors)
+    else:
+        codes = torch.div(blocks, divisors, out=_scratch("codes", tuple(blocks.shape), torch.float32, blocks.device))
     codes.round_()
-    if codes.device.type != "cpu" or bool(scales.isnan().any()):
+    if codes.device.type != "cpu" or torch.compiler.is_compiling() or bool(scales.isnan().any()):
         codes.nan_to_num_(0.0)
     return codes
 
@@ -243,9 +271,10 @@ def pack_codes(codes: Tensor, bits: int) -> Tensor:
     rows, offset = codes.shape[0], 2 ** (bits - 1)
     if 8 % bits == 0:  # whole fields per byte: their weighted sum is exact in fp32 (at most 255)
         per_byte = 8 // bits
-        packed = codes[:, 0::per_byte]
-        for field in range(1, per_byte):
-            packed = torch.add(packed, codes[:, field::per_byte], alpha=2 ** (bits * field))
+        packed = _scratch("packing", (rows, codes.shape[1] // per_byte), torch.float32, codes.device)
+        torch.add(codes[:, 0::per_byte], codes[:, 1::per_byte], alpha=2**bits, out=packed)
+        for field in range(2, per_byte):
+            packed.add_(codes[:, field::per_byte], alpha=2 ** (bits * field))
         return packed.add_(offset * sum(2 ** (bits * f) for f in range(per_byte))).to(torch.uint8)
     # 8 fields make one little-endian 64-bit word, of which the low ``bits`` bytes are kept
     shifts = torch.arange(0, 8 * bits, bits, dtype=torch.int64, device=codes.device)
@@ -258,10 +287,16 @@ def unpack_codes(data: Tensor, bits: int) -> Tensor:
     past the last whole field, if any, are garbage and must be ignored."""
     if bits == 8:
         return data.view(torch.int8).float()
-    rows, offset, mask = data.shape[0], 2 ** (bits - 1), 2**bits - 1
+    return _unpack_fields(data, bits).float().sub_(2 ** (bits - 1))
+
+
+def _unpack_fields(data: Tensor, bits: int) -> Tensor:
+    """Packed bytes (rows, nbytes), below 8 bits, as the unsigned fields ``code + 2**(bits - 1)``
+    (rows, >= nbytes * 8 // bits), uint8 or int64."""
+    rows, mask = data.shape[0], 2**bits - 1
     if 8 % bits == 0:
         fields = [data & mask] + [(data >> (bits * f)) & mask for f in range(1, 8 // bits)]
-        return torch.stack(fields, dim=-1).view(rows, -1).float().sub_(offset)
+        return torch.stack(fields, dim=-1).view(rows, -1)
     num_words = -(-data.shape[1] // bits)
     staged = data.new_zeros((rows, num_words * bits))
     staged[:, :data.shape[1]] = data
@@ -269,7 +304,7 @@ def unpack_codes(data: Tensor, bits: int) -> Tensor:
     word_bytes[:, :, :bits] = staged.view(rows, num_words, bits)
     shifts = torch.arange(0, 8 * bits, bits, dtype=torch.int64, device=data.device)
     fields = (_bytes_word(word_bytes)[:, :, None] >> shifts) & mask
-    return fields.view(rows, -1).float().sub_(offset)
+    return fields.view(rows, -1)
 
 
 def _word_bytes(words: Tensor) -> Tensor:
@@ -299,18 +334,15 @@ def _store_codes(codes: Tensor, bits: int, data_out: Tensor) -> None:
     data_out.copy_(pack_codes(codes[:, :num_codes], bits)[:, :data_bytes])
 
 
-def _multiply_blocks(codes: Tensor, scales: Tensor, block_size: int, out: Tensor) -> None:
-    """``out = codes * scale`` of each element's block, computed in fp32 and cast to out's dtype
-    as it is written (one pass); ``codes`` (num_chunks, >= numel) int8 or fp32, ``out``
-    (num_chunks, numel) with contiguous rows."""
-    num_chunks, numel = out.shape
+def _scale_blocks(values: Tensor, scales: Tensor, block_size: int) -> None:
+    """``values *= scale`` of each element's block, in place; ``values`` (num_chunks, numel)
+    fp32 with contiguous rows, ``scales`` (num_chunks, num_blocks)."""
+    num_chunks, numel = values.shape
     full = numel // block_size * block_size
     if full:
-        shape = (num_chunks, full // block_size, block_size)
-        torch.mul(codes[:, :full].view(shape), scales[:, :full // block_size, None],
-                  out=out[:, :full].view(shape))
+        values[:, :full].view(num_chunks, full // block_size, block_size).mul_(scales[:, :full // block_size, None])
     if numel > full:
-        torch.mul(codes[:, full:numel], scales[:, full // block_size:][:, :1], out=out[:, full:])
+        values[:, full:].mul_(scales[:, full // block_size:][:, :1])
 
 
 def _split_rows(packed: Tensor, bits: int, block_size: int, chunk_numel: int) -> tuple[Tensor, Tensor]:
@@ -355,8 +387,15 @@ def _decode_into(data: Tensor, scales: Tensor, bits: int, block_size: int, out: 
     if _use_triton(out.device, bits):
         quant_triton.decode_rows(data, scales, bits, block_size, out)
         return
-    codes = data.view(torch.int8) if bits == 8 else unpack_codes(data, bits)
-    _multiply_blocks(codes, scales, block_size, out)
+    numel = out.shape[1]
+    values = out if out.dtype == torch.float32 else _scratch("values", tuple(out.shape), torch.float32, out.device)
+    if bits == 8:
+        values.copy_(data.view(torch.int8)[:, :numel])
+    else:  # the fields, then minus the offset: integers, exact in fp32
+        values.copy_(_unpack_fields(data, bits)[:, :numel]).sub_(2 ** (bits - 1))
+    _scale_blocks(values, scales, block_size)  # code * scale in fp32 ...
+    if values is not out:
+        out.copy_(values)  # ... then one rounding to out's dtype
 
 
 def quantize(x: Tensor, bits: int, block_size: int) -> tuple[Tensor, Tensor]:

@@ -1,4 +1,4 @@
-"""``zeropp bench quant|comm|step|generate|overhead``: the benchmarks' command-line options."""
+"""``zeropp bench quant|comm|step|generate|overhead|export``: the benchmarks' command-line options."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from zeropp.modes import MODES, parse_modes
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``zeropp bench``'s options; each benchmark takes the ones it names."""
-    parser.add_argument("what", choices=["quant", "comm", "step", "generate", "overhead"])
+    parser.add_argument("what", choices=["quant", "comm", "step", "generate", "overhead", "export"])
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--quick", action="store_true",
                         help="comm/step/overhead: a tiny model or few steps (smoke run)")
@@ -32,6 +32,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         from zeropp.bench import quant
 
         quant.run(out_dir=args.out)
+    elif args.what == "export":
+        from zeropp.bench import export
+
+        export.run(out_dir=args.out)
     elif args.what == "generate":
         from zeropp.bench import generate
 

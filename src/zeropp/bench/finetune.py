@@ -69,6 +69,8 @@ FINETUNE_MODES: dict[str, FinetuneMode] = {
     "all": FinetuneMode("all", lora=False, baseline="zero3"),
     "lora_zero3": FinetuneMode("zero3", lora=True, baseline="lora_zero3"),
     "lora_qnw": FinetuneMode("qnw", lora=True, baseline="lora_zero3"),
+    "lora_qnw4": FinetuneMode("qnw4", lora=True, baseline="lora_zero3"),
+    "lora_qnw2": FinetuneMode("qnw2", lora=True, baseline="lora_zero3"),
 }
 """Fine-tuning runs by name: a sharding mode, with or without LoRA (``lora_<mode>``)."""
 DEFAULT_MODES = tuple(FINETUNE_MODES)

@@ -2,8 +2,12 @@
 
 Two questions decide whether quantized communication pays off:
 1. Is (de)quantizing cheap next to the transfer it shrinks? Throughput is reported in GB/s of
-   the unquantized tensor and as a ratio to ``torch.clone`` of the same tensor, the
-   memory-bandwidth anchor: a ratio near 1 means quantization costs about one extra copy.
+   the unquantized tensor and as a ratio to ``copy_`` of the same tensor into an existing
+   buffer, the memory-bandwidth anchor: a ratio near 1 means quantization costs about one extra
+   copy. ``round_trip_vs_copy`` is the time of ``copy_`` over the time of quantize plus
+   dequantize. Every width from 2 to 8 bits is timed with the torch path, the torch path under
+   ``torch.compile`` (fp32 input; inductor's vectorised C++ on CPU, generated Triton on CUDA),
+   and on CUDA the hand-written Triton kernels.
 2. What do blocks buy? ZeRO++ (§3.1) uses a scale per block instead of one per tensor so an
    outlier only coarsens its own block; the error table compares both on Gaussian weights and
    on heavy-tailed Student-t (ν = 3) weights.
@@ -34,7 +38,7 @@ from zeropp.quant import (
 )
 
 BLOCK_SIZE = 256
-BITS = (8, 4)
+BITS = (8, 6, 5, 4, 3, 2)
 INPUT_DTYPES = (torch.float32, torch.bfloat16)
 ERROR_NUMEL = 2**20
 STUDENT_T_DF = 3.0
@@ -85,9 +89,25 @@ def _median_seconds(fn: Callable[[], object], repeats: int, device: torch.device
     return statistics.median(times)
 
 
-def _kernels(device: torch.device) -> tuple[str, ...]:
-    """The (de)quantization paths to time: the torch path, and on CUDA the Triton kernels."""
-    return ("torch", "triton") if quant_triton.available(device) else ("torch",)
+def _kernels(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
+    """The (de)quantization paths to time: the torch path, the same compiled (fp32 input), and
+    on CUDA the Triton kernels."""
+    compiled = ("compiled",) if dtype == torch.float32 else ()
+    return ("torch", *compiled, *(("triton",) if quant_triton.available(device) else ()))
+
+
+def _coders(kernel: str, x: torch.Tensor, bits: int, packed: torch.Tensor, decoded: torch.Tensor
+            ) -> tuple[Callable[[], object], Callable[[], object], float]:
+    """Quantize and dequantize calls for one kernel, and the seconds the first calls took
+    (torch.compile's compile time; a warm-up otherwise)."""
+    encode = lambda: quantize_into(x, bits, BLOCK_SIZE, packed)  # noqa: E731
+    decode = lambda: dequantize_from(packed, bits, BLOCK_SIZE, x.numel(), decoded)  # noqa: E731
+    if kernel == "compiled":
+        encode, decode = torch.compile(encode), torch.compile(decode)
+    start = time.perf_counter()
+    encode()
+    decode()
+    return encode, decode, time.perf_counter() - start
 
 
 def _throughput_rows(
@@ -107,14 +127,13 @@ def _throughput_rows(
     clone_s = _median_seconds(lambda: torch.clone(x), repeats, device)
     copy_s = _median_seconds(lambda: decoded.copy_(x), repeats, device)
     rows = []
-    for kernel in _kernels(device):
-        previous = set_kernel(kernel)
+    for kernel in _kernels(device, dtype):
+        previous = set_kernel("triton" if kernel == "triton" else "torch")
         try:
             for bits in BITS:
                 num_bytes = packed_numel(numel, bits, BLOCK_SIZE)
                 packed = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-                encode = lambda: quantize_into(x, bits, BLOCK_SIZE, packed)  # noqa: E731
-                decode = lambda: dequantize_from(packed, bits, BLOCK_SIZE, numel, decoded)  # noqa: E731
+                encode, decode, first_call_s = _coders(kernel, x, bits, packed, decoded)
                 quantize_s = _median_seconds(encode, repeats, device)
                 dequantize_s = _median_seconds(decode, repeats, device)
                 rows.append({
@@ -132,6 +151,8 @@ def _throughput_rows(
                     "dequantize_vs_clone": clone_s / dequantize_s,
                     "quantize_vs_copy": copy_s / quantize_s,
                     "dequantize_vs_copy": copy_s / dequantize_s,
+                    "round_trip_vs_copy": copy_s / (quantize_s + dequantize_s),
+                    "first_call_s": first_call_s,
                     "copy_traffic_gbps": 2 * nbytes / copy_s / 1e9,
                     "quantize_traffic_gbps": (nbytes + num_bytes) / quantize_s / 1e9,
                     "dequantize_traffic_gbps": (nbytes + num_bytes) / dequantize_s / 1e9,
@@ -184,12 +205,13 @@ def _error_rows() -> list[dict[str, Any]]:
 
 def _print_tables(throughput: list[dict[str, Any]], errors: list[dict[str, Any]]) -> None:
     """Human-readable summary of both tables (GB/s of the unquantized tensor)."""
-    print(f"{'numel':>10} {'dtype':>9} {'kernel':>6} {'bits':>4} {'clone':>7} {'copy_':>7} "
-          f"{'quant':>7} {'/copy_':>6} {'dequant':>7} {'/copy_':>6}")
+    print(f"{'numel':>10} {'dtype':>9} {'kernel':>8} {'bits':>4} {'clone':>7} {'copy_':>7} "
+          f"{'quant':>7} {'/copy_':>6} {'dequant':>7} {'/copy_':>6} {'q+dq / copy_':>12}")
     for r in throughput:
-        print(f"{r['numel']:>10} {r['dtype']:>9} {r['kernel']:>6} {r['bits']:>4} "
+        print(f"{r['numel']:>10} {r['dtype']:>9} {r['kernel']:>8} {r['bits']:>4} "
               f"{r['clone_gbps']:>7.2f} {r['copy_gbps']:>7.2f} {r['quantize_gbps']:>7.2f} "
-              f"{r['quantize_vs_copy']:>6.2f} {r['dequantize_gbps']:>7.2f} {r['dequantize_vs_copy']:>6.2f}")
+              f"{r['quantize_vs_copy']:>6.2f} {r['dequantize_gbps']:>7.2f} {r['dequantize_vs_copy']:>6.2f} "
+              f"{r['round_trip_vs_copy']:>12.2f}")
     print(f"\n{'distribution':>16} {'bits':>4} {'scheme':>10} {'rms':>10} {'rel rms':>10} "
           f"{'max abs':>10}")
     for r in errors:
@@ -199,15 +221,15 @@ def _print_tables(throughput: list[dict[str, Any]], errors: list[dict[str, Any]]
 
 def run(
     out_dir: str = "benchmarks/results",
-    sizes: Sequence[int] = (2**20, 2**22, 2**24, 2**26),
+    sizes: Sequence[int] = (2**20, 2**24),
     repeats: int = 5,
 ) -> dict:
     """Measure quantization throughput and error, print them, and write bench_quant.json
     (bench_quant_cuda.json on a CUDA machine, where the Triton kernels are timed too).
 
     Throughput (median of ``repeats`` after a warm-up) is in GB/s of the unquantized tensor
-    for fp32 and bf16 input at 8 and 4 bits with block size 256; error is measured on
-    ``ERROR_NUMEL`` fp32 weights.
+    for fp32 and bf16 input at every width in ``BITS`` with block size 256; error is measured
+    on ``ERROR_NUMEL`` fp32 weights.
     """
     device = _device()
     throughput = [

@@ -160,6 +160,27 @@ def _hf_name(gguf_name: str, num_layers: int) -> str | None:
     return f"model.layers.{layer}.{_LAYER_TENSORS[kind]}.{suffix}"
 
 
+def gguf_name(hf_name: str) -> str:
+    """llama.cpp's name of a transformers Llama tensor (the inverse of ``_hf_name``)."""
+    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    if hf_name in fixed:
+        return fixed[hf_name]
+    parts = hf_name.split(".")
+    module, suffix = ".".join(parts[3:-1]), parts[-1]
+    kinds = {hf: gguf for gguf, hf in _LAYER_TENSORS.items()}
+    if parts[:2] != ["model", "layers"] or module not in kinds:
+        raise ValueError(f"{hf_name!r} is not a tensor of transformers' Llama layout")
+    return f"blk.{parts[2]}.{kinds[module]}.{suffix}"
+
+
+def permute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """transformers' Q/K row order to llama.cpp's (see [Note: rotary row order])."""
+    rows, columns = weight.shape
+    half = rows // num_heads // 2
+    return weight.reshape(num_heads, 2, half, columns).swapaxes(1, 2).reshape(rows, columns)
+
+
 def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row order.
 
