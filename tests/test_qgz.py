@@ -183,18 +183,21 @@ def test_qgz_keeps_a_ranks_own_rows_exact(num_nodes: int) -> None:
 
 
 def _train_qgz_worker(rank: int, world_size: int, steps: int) -> dict:
-    common = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-    modes = {"zero3": zeropp.ZeroPPConfig(**common),
-             "qgz": zeropp.ZeroPPConfig(quantized_gradients=True, **common),
-             "qgz_ef": zeropp.ZeroPPConfig(quantized_gradients=True, error_feedback=True, **common)}
+    modes = {"zero3": zeropp.ZeroPPConfig(),
+             "qgz": zeropp.ZeroPPConfig(quantized_gradients=True),
+             "qgz_ef": zeropp.ZeroPPConfig(quantized_gradients=True, error_feedback=True)}
     return {name: train_on_corpus(config, steps, rank, world_size) for name, config in modes.items()}
 
 
 @pytest.mark.slow
-def test_qgz_trains_like_zero3_with_a_quarter_of_the_cross_node_bytes() -> None:
-    """2x2, GPT on Shakespeare, 200 steps, bf16: final validation loss within 2% of ZeRO-3's
-    (1% with error feedback); cross-node gradient bytes <= 0.27x ZeRO-3's bf16 reduce-scatter
-    (INT4 + fp32 scales per 256 elements over one inter-node peer, against bf16 to two)."""
+def test_qgz_trains_like_zero3_and_cuts_cross_node_gradient_bytes() -> None:
+    """2x2, GPT on Shakespeare, 200 steps, fp32 (bf16 gradients take qgZ's path too, see
+    test_field_failures; bf16 matmuls are slow on CPU): final validation loss within 2% of
+    ZeRO-3's (1% with error feedback). Cross-node gradient bytes: per element of the flat
+    gradient ZeRO-3 sends (N - 1)/N x 4 bytes across nodes, qgZ (N - 1)/N / D x (0.5 + 4/256)
+    (INT4 codes and an fp32 scale per 256, on the inter-node hop only): 0.064x on 2x2, which
+    padding each parameter to whole blocks and 4-byte alignment raise on this small model; the
+    bound allows about twice that, 0.135x."""
     r = run_distributed(_train_qgz_worker, 4, 200, env=TWO_BY_TWO, timeout=600)[0]
     base = r["zero3"]["val_loss"]
     print({name: run["val_loss"] for name, run in r.items()})
@@ -205,5 +208,5 @@ def test_qgz_trains_like_zero3_with_a_quarter_of_the_cross_node_bytes() -> None:
     zero3_cross = r["zero3"]["ledger"]["by_op"]["reduce_scatter"]["cross_node_bytes"]
     qgz_cross = r["qgz"]["ledger"]["by_op"]["all_to_all"]["cross_node_bytes"]
     assert "reduce_scatter" not in r["qgz"]["ledger"]["by_op"], "a reduce-scatter fell back to full precision"
-    assert qgz_cross <= 0.27 * zero3_cross, qgz_cross / zero3_cross
+    assert qgz_cross <= 0.135 * zero3_cross, qgz_cross / zero3_cross
     assert zero3_rs["calls"] > 0

@@ -68,8 +68,14 @@ def load_smollm2(num_layers: int | None = None,
     from gguf import GGUFReader
 
     reader = GGUFReader(path or gguf_path())
+    return llama_from_gguf(reader, num_layers), build_tokenizer(reader)
+
+
+def llama_from_gguf(reader: GGUFReader, num_layers: int | None = None) -> LlamaForCausalLM:
+    """The ``LlamaForCausalLM`` (fp32, eval mode) a llama.cpp GGUF file describes, its tensors
+    decoded by the ``gguf`` package; ``num_layers`` as in ``load_smollm2``."""
     config = llama_config(reader, num_layers)
-    return llama_from_state(config, _state_dict(reader, config)), build_tokenizer(reader)
+    return llama_from_state(config, _state_dict(reader, config))
 
 
 def llama_from_state(config: LlamaConfig, state: dict[str, torch.Tensor]) -> LlamaForCausalLM:
