@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from zeropp import quant_triton
+from zeropp.codec import ChunkCodec, segments_for
 from zeropp.quant import (
     dequantize_from,
     dequantize_packed,
@@ -162,6 +163,29 @@ def _throughput_rows(
     return rows
 
 
+DEMO_UNIT = [128, 128, 49152, 384, 16384, 128, 128, 128, 65536, 512, 65536, 128]
+"""Padded numels of one demo-GPT block (4 x 128) as FSDP2 lays them out on 4 ranks."""
+
+
+def _chunk_rows(repeats: int) -> list[dict[str, Any]]:
+    """One demo unit's chunk: the fused one-pass codec (the default) against coding each
+    parameter segment on its own, encode of one rank's row and decode of four rows."""
+    rows = []
+    for bits in BITS:
+        codec = ChunkCodec(segments_for(DEMO_UNIT, [True] * len(DEMO_UNIT), 4, bits), BLOCK_SIZE, torch.float32)
+        chunks = torch.randn(4, codec.numel)
+        packed = torch.empty(4, codec.nbytes, dtype=torch.uint8)
+        decoded = torch.empty_like(chunks)
+        times = {}
+        for path, encode, decode in (("fused", codec.encode, codec.decode),
+                                     ("per_segment", codec.encode_segments, codec.decode_segments)):
+            times[f"{path}_encode_ms"] = 1e3 * _median_seconds(lambda: encode(chunks[:1], packed[:1]), repeats,
+                                                               chunks.device)
+            times[f"{path}_decode_ms"] = 1e3 * _median_seconds(lambda: decode(packed, decoded), repeats, chunks.device)
+        rows.append({"bits": bits, "segments": len(DEMO_UNIT), "chunk_numel": codec.numel, **times})
+    return rows
+
+
 def _per_tensor_round_trip(x: torch.Tensor, bits: int) -> torch.Tensor:
     """Quantize with one scale for the whole tensor (absmax / qmax) and decode, in fp32."""
     qmax = 2 ** (bits - 1) - 1
@@ -238,15 +262,22 @@ def run(
         for dtype in INPUT_DTYPES
         for row in _throughput_rows(numel, dtype, repeats, device)
     ]
+    chunks = _chunk_rows(max(repeats, 21)) if device.type == "cpu" else []
     errors = _error_rows()
     config = {"block_size": BLOCK_SIZE, "sizes": list(sizes), "repeats": repeats}
     result = {
         "machine": _machine(device),
         "config": {**config, "error_numel": ERROR_NUMEL, "gbps": "bytes of the unquantized tensor"},
         "throughput": throughput,
+        "demo_unit_chunk": chunks,
         "error": errors,
     }
     _print_tables(throughput, errors)
+    print(f"\n{'bits':>4} {'fused encode':>12} {'per-segment':>11} {'fused decode':>12} {'per-segment':>11}  (ms, "
+          "one demo unit: encode 1 row, decode 4)")
+    for r in chunks:
+        print(f"{r['bits']:>4} {r['fused_encode_ms']:>12.3f} {r['per_segment_encode_ms']:>11.3f} "
+              f"{r['fused_decode_ms']:>12.3f} {r['per_segment_decode_ms']:>11.3f}")
     os.makedirs(out_dir, exist_ok=True)
     name = "bench_quant_cuda.json" if device.type == "cuda" else "bench_quant.json"
     path = os.path.join(out_dir, name)
