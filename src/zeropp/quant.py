@@ -185,7 +185,7 @@ _scratch_buffers = threading.local()
 
 def _scratch(role: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
     """An uninitialised tensor for a temporary, reused across calls on CPU ([Note: scratch buffers])."""
-    if device.type != "cpu":
+    if device.type != "cpu" or torch.compiler.is_compiling():  # inductor plans its own buffers
         return torch.empty(shape, dtype=dtype, device=device)
     buffers = _scratch_buffers.__dict__.setdefault("buffers", {})
     numel = math.prod(shape)

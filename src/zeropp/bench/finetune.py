@@ -71,6 +71,8 @@ FINETUNE_MODES: dict[str, FinetuneMode] = {
     "lora_qnw": FinetuneMode("qnw", lora=True, baseline="lora_zero3"),
     "lora_qnw4": FinetuneMode("qnw4", lora=True, baseline="lora_zero3"),
     "lora_qnw2": FinetuneMode("qnw2", lora=True, baseline="lora_zero3"),
+    "lora_qnw4_block32": FinetuneMode("qnw4_block32", lora=True, baseline="lora_zero3"),
+    "lora_qnw2_block32": FinetuneMode("qnw2_block32", lora=True, baseline="lora_zero3"),
 }
 """Fine-tuning runs by name: a sharding mode, with or without LoRA (``lora_<mode>``)."""
 DEFAULT_MODES = tuple(FINETUNE_MODES)
@@ -411,13 +413,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks-per-node", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--runs", default="runs/finetune", help="converted model, tokens, per-mode runs")
+    parser.add_argument("--compute-dtype", choices=["bfloat16", "float32"], default=defaults.compute_dtype,
+                        help="dtype of the gathered weights and compute (float32 on CPUs without fast bf16)")
     parser.set_defaults(func=run_from_args)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     """``zeropp finetune``: ``run`` with the parsed options."""
     run(args.out, modes=parse_modes(args.modes, FINETUNE_MODES), num_nodes=args.nodes,
-        ranks_per_node=args.ranks_per_node, runs_dir=args.runs, steps=args.steps)
+        ranks_per_node=args.ranks_per_node, runs_dir=args.runs, steps=args.steps, compute_dtype=args.compute_dtype)
     return 0
 
 

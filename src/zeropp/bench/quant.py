@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from zeropp import quant_triton
+from zeropp import quant, quant_triton
 from zeropp.codec import ChunkCodec, segments_for
 from zeropp.quant import (
     dequantize_from,
@@ -100,15 +100,36 @@ def _kernels(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
 def _coders(kernel: str, x: torch.Tensor, bits: int, packed: torch.Tensor, decoded: torch.Tensor
             ) -> tuple[Callable[[], object], Callable[[], object], float]:
     """Quantize and dequantize calls for one kernel, and the seconds the first calls took
-    (torch.compile's compile time; a warm-up otherwise)."""
-    encode = lambda: quantize_into(x, bits, BLOCK_SIZE, packed)  # noqa: E731
-    decode = lambda: dequantize_from(packed, bits, BLOCK_SIZE, x.numel(), decoded)  # noqa: E731
+    (torch.compile's compile time; a warm-up otherwise). ``compiled`` is the block code of the
+    torch path (scales, codes, packing; unpacking, scaling) over whole blocks, compiled as one
+    function each way, so inductor can fuse it."""
     if kernel == "compiled":
-        encode, decode = torch.compile(encode), torch.compile(decode)
+        encode, decode = _compiled_block_code(x.view(-1, BLOCK_SIZE), bits)
+    else:
+        encode = lambda: quantize_into(x, bits, BLOCK_SIZE, packed)  # noqa: E731
+        decode = lambda: dequantize_from(packed, bits, BLOCK_SIZE, x.numel(), decoded)  # noqa: E731
     start = time.perf_counter()
     encode()
     decode()
     return encode, decode, time.perf_counter() - start
+
+
+def _compiled_block_code(blocks: torch.Tensor, bits: int) -> tuple[Callable[[], object], Callable[[], object]]:
+    """torch.compile of the torch path's block code on (num_blocks, BLOCK_SIZE) fp32 rows."""
+    def encode(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scales = quant._block_scales(blocks, bits)
+        return scales, quant.pack_codes(quant._block_codes(blocks, scales, overwrite=False), bits)
+
+    def decode(code_bytes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return quant.unpack_codes(code_bytes, bits).view(-1, BLOCK_SIZE).mul_(scales[:, None])
+
+    compiled_encode, compiled_decode = torch.compile(encode), torch.compile(decode)
+    coded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def run_encode() -> None:
+        coded["last"] = compiled_encode(blocks)
+
+    return run_encode, lambda: compiled_decode(coded["last"][1], coded["last"][0])
 
 
 def _throughput_rows(
