@@ -124,7 +124,7 @@ def load_safetensors_int8(path: str | os.PathLike[str]) -> dict[str, Tensor]:
         quantized = layout["quantized"]
         scale_names = {entry["scales"] for entry in quantized.values()}
         state = {}
-        for name in file.keys():  # noqa: SIM118 (safe_open is not a mapping)
+        for name in file.keys():
             if name in scale_names:
                 continue
             tensor = file.get_tensor(name)
