@@ -165,7 +165,7 @@ class ZeroPPConfig:
         if self.quantized_gradients:
             widths.update(grad_bits_intra=self.grad_bits_intra, grad_bits_inter=self.grad_bits_inter)
         for key, bits in widths.items():
-            if self.block_size * bits % 32:
+            if self.block_size < min_block_size(bits):
                 raise ValueError(f"block_size={self.block_size} is not allowed with {key}={bits}: a block's "
                                  f"codes must fill whole 4-byte words; allowed: block_size >= {min_block_size(bits)}")
         if self.quantized_weights and self.weight_bits < 4 and not self.low_bit_trainable_weights:

@@ -119,7 +119,7 @@ def _check_config(bits: int, block_size: int) -> None:
     if not isinstance(bits, int) or isinstance(bits, bool) or bits not in ALLOWED_BITS:
         raise ValueError(f"bits={bits!r} is not supported; allowed: {ALLOWED_BITS}")
     _check_block_size(block_size)
-    if block_size * bits % 32:
+    if block_size < min_block_size(bits):
         raise ValueError(
             f"block_size={block_size} is not allowed with bits={bits}: a block's codes must fill whole "
             f"4-byte words (block_size * bits a multiple of 32); allowed: block_size >= {min_block_size(bits)}"
@@ -127,7 +127,9 @@ def _check_config(bits: int, block_size: int) -> None:
 
 
 def min_block_size(bits: int) -> int:
-    """The smallest block size whose codes fill whole 4-byte words at ``bits`` per element."""
+    """The smallest block size whose codes fill whole 4-byte words at ``bits`` per element; a
+    power-of-two block fits exactly when it is at least this (``block_size * bits`` is then a
+    multiple of 32)."""
     return max(MIN_BLOCK_SIZE, 32 // math.gcd(bits, 32))
 
 

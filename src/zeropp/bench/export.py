@@ -68,9 +68,10 @@ def _perplexity(all_logits: list[np.ndarray], windows: list[list[int]]) -> float
 
 def run(out_dir: str | Path = "benchmarks/results", runs_dir: str | Path = "runs/export") -> dict[str, Any]:
     """Export SmolLM2, measure perplexities and llama.cpp's logits; print and write export.json."""
+    from gguf import GGUFReader
     from transformers import LlamaConfig
 
-    from zeropp.models.smollm import gguf_path, llama_from_state, load_smollm2
+    from zeropp.models.smollm import gguf_path, llama_from_gguf, llama_from_state
 
     runs_dir = Path(runs_dir)
     prepare(runs_dir)
@@ -80,7 +81,7 @@ def run(out_dir: str | Path = "benchmarks/results", runs_dir: str | Path = "runs
     state = model.state_dict()
     gguf_file = export.save_gguf_q8_0(state, runs_dir / "smollm2.q8_0.gguf", gguf_path())
     int8_file = export.save_safetensors_int8(state, runs_dir / "smollm2.int8.safetensors")
-    q8_model, _ = load_smollm2(path=gguf_file)
+    q8_model = llama_from_gguf(GGUFReader(gguf_file))
     int8_model = llama_from_state(model.config, export.load_safetensors_int8(int8_file))
     logits = {"fp32": _transformers_logits(model, windows), "q8_0_decoded": _transformers_logits(q8_model, windows),
               "int8_decoded": _transformers_logits(int8_model, windows)}
