@@ -23,6 +23,7 @@ from zeropp.config import (
     ZeroPPConfig,
     parse_deepspeed,
 )
+from zeropp.gradcode import GradientCode
 
 # The ZeRO++ tutorial's example (DeepSpeed docs, "DeepSpeed Configuration Changes").
 TUTORIAL_CONFIG: dict[str, Any] = {
@@ -68,7 +69,8 @@ FULL_CONFIG: dict[str, Any] = {
         "reduce_scatter": True,
         "zeropp": {"block_size": 128, "weight_bits": 8, "grad_bits_intra": 8,
                    "grad_bits_inter": 4, "quantize_intra_node_weights": True,
-                   "error_feedback": True},
+                   "error_feedback": True, "grad_rotation": "hadamard", "grad_rounding": "stochastic",
+                   "grad_levels": "normal"},
     },
 }
 
@@ -404,7 +406,9 @@ def test_full_config_reaches_every_field() -> None:
     assert parsed.zeropp == ZeroPPConfig(
         quantized_weights=True, hpz_partition_size=8, quantized_gradients=True, block_size=128,
         weight_bits=8, grad_bits_intra=8, grad_bits_inter=4, quantize_intra_node_weights=True,
-        error_feedback=True, param_dtype=torch.float16)
+        error_feedback=True, grad_rotation="hadamard", grad_rounding="stochastic", grad_levels="normal",
+        param_dtype=torch.float16)
+    assert parsed.zeropp.gradient_code == GradientCode(rotation="hadamard", rounding="stochastic", levels="normal")
     training = parsed.training
     assert training.resolve_batch(4) == (32, 4, 2)
     assert (training.fp16, training.bf16, training.initial_scale_power) == (True, False, 12)
@@ -476,6 +480,9 @@ def test_bf16_and_fp16_together_are_an_error() -> None:
         ("zero_optimization.zeropp.grad_bits_inter", 16, "2, 4 or 8"),
         ("zero_optimization.zeropp.quantize_intra_node_weights", 0, "a bool"),
         ("zero_optimization.zeropp.error_feedback", "on", "a bool"),
+        ("zero_optimization.zeropp.grad_rotation", "fwht", "'none' or 'hadamard'"),
+        ("zero_optimization.zeropp.grad_rounding", True, "'nearest' or 'stochastic'"),
+        ("zero_optimization.zeropp.grad_levels", "nf4", "'uniform' or 'normal'"),
         ("zero_optimization.zeropp.blocksize", 64, "accepts only block_size, weight_bits"),
         ("bf16", True, "a JSON object"),
         ("bf16.enabled", "true", "a bool"),

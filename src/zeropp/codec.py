@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from zeropp import quant
+from zeropp import gradcode, quant
+from zeropp.gradcode import GradientCode
 from zeropp.quant import dequantize_rows, packed_numel, quantize_rows
 
 _ALIGN = 4  # every segment starts 4-byte aligned, so packed fp32 scales can be viewed in place
@@ -51,12 +52,15 @@ class ChunkCodec:
     """Encodes rows of chunks (num_chunks, chunk_numel) into packed rows (num_chunks, nbytes).
 
     ``dtype`` is the chunks' dtype; ``torch.uint8`` with segments of other dtypes is byte mode
-    ([Note: mixed-dtype units]), where ``numel`` counts bytes."""
+    ([Note: mixed-dtype units]), where ``numel`` counts bytes. ``code``: qgZ's lower-error block
+    code options (``zeropp.gradcode``), coded in one pass; None or plain is ``quant``'s code."""
 
-    def __init__(self, segments: Sequence[Segment], block_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, segments: Sequence[Segment], block_size: int, dtype: torch.dtype,
+                 code: GradientCode | None = None) -> None:
         self.segments = tuple(segments)
         self.block_size = block_size
         self.dtype = dtype
+        self.code = None if code is None or code.is_plain else code
         self.byte_mode = dtype == torch.uint8 and any(s.dtype not in (None, torch.uint8) for s in self.segments)
         if self.byte_mode and any(s.dtype is None for s in self.segments):
             raise ValueError("a byte-buffer chunk needs every segment's dtype (Segment.dtype)")
@@ -71,6 +75,9 @@ class ChunkCodec:
         self.numel = input_offset
         self.nbytes = byte_offset
         self._plan = _OnePassPlan(self) if _one_pass_applies(self) else None
+        if self.code is not None and (self._plan is None or self._plan.has_raw):
+            raise ValueError(f"the gradient code {self.code} needs a chunk of quantized segments of one width "
+                             f"and one float dtype; got segments {self.segments} in {dtype}")
 
     def _segment_bytes(self, segment: Segment) -> int:
         if segment.bits is None:
@@ -86,15 +93,18 @@ class ChunkCodec:
         not apply: the layout does not allow it, the Triton kernels are chosen, or raw segments
         would be read or written in a dtype other than the codec's."""
         plan = self._plan
+        if self.code is not None:
+            return plan  # the options exist in the one-pass torch code only
         if plan is None or quant._use_triton(data.device, plan.bits) or (plan.has_raw and data.dtype != self.dtype):
             return None
         return plan
 
-    def encode(self, chunks: Tensor, out: Tensor) -> None:
-        """Write each row of ``chunks`` (num_chunks, numel) as one packed row of ``out``."""
+    def encode(self, chunks: Tensor, out: Tensor, generator: torch.Generator | None = None) -> None:
+        """Write each row of ``chunks`` (num_chunks, numel) as one packed row of ``out``;
+        ``generator`` draws the uniforms of stochastic rounding."""
         plan = self._one_pass(chunks)
         if plan is not None:
-            plan.encode(chunks, out)
+            plan.encode(chunks, out, generator)
         else:
             self.encode_segments(chunks, out)
 
@@ -198,6 +208,7 @@ class _OnePassPlan:
         payload, payload_elements, junk, values = [], [], [], []
         # ... and, per layout, the pieces it is made of: (source, piece)
         to_blocks, to_payload, to_codes, to_scales, to_out = [], [], [], [], []
+        whole = []  # per block of a row: does it hold a whole block of its segment (no padding)?
         for segment, (_, length, _, nbytes) in zip(codec.segments, codec._spans, strict=True):
             lengths.append(length)
             chunk_bytes.append(length * itemsize)
@@ -210,6 +221,7 @@ class _OnePassPlan:
                 payload_elements += [length, (padded - nbytes) // itemsize]
                 continue
             num_blocks = -(-length // block_size)
+            whole += [True] * (length // block_size) + [False] * (num_blocks - length // block_size)
             data_bytes = nbytes - num_blocks * _SCALE_BYTES
             to_blocks += [(0, len(lengths) - 1), (1, len(pads))]
             pads.append(num_blocks * block_size - length)
@@ -232,16 +244,46 @@ class _OnePassPlan:
         self.has_raw = any(s.bits is None for s in codec.segments)
         self.aligned = not self.has_raw and not self.num_pad
         """Every segment is quantized and fills whole blocks: the chunk is the block layout."""
+        self.whole = None if all(whole) else torch.tensor(whole)
 
-    def encode(self, chunks: Tensor, out: Tensor) -> None:
+    def _whole(self, num_blocks: int, device: torch.device) -> Tensor | None:
+        """Per block of ``num_blocks`` (whole rows of them): whether it is whole, not a segment's
+        padded tail ([Note: block rotation]); None if all are."""
+        if self.whole is None:
+            return None
+        return self.whole.to(device).repeat(num_blocks // len(self.whole))
+
+    def _scales_and_codes(self, blocks: Tensor, fresh: bool,
+                          generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+        """The block code of (num_blocks, B) fp32 blocks: quant's, or the codec's gradient code."""
+        code = self.codec.code
+        if code is None:
+            scales = quant._block_scales(blocks, self.bits)
+            return scales, quant._block_codes(blocks, scales, overwrite=fresh)
+        if code.rotation == "hadamard":
+            blocks = gradcode.rotate(blocks, self._whole(len(blocks), blocks.device))
+        scales = gradcode.block_scales(blocks, self.bits, code)
+        return scales, gradcode.block_codes(blocks, scales, self.bits, code, generator)
+
+    def _values(self, codes: Tensor, scales: Tensor) -> Tensor:
+        """Decoded fp32 blocks (num_blocks, B) from codes (num_blocks, B) and scales (num_blocks,)."""
+        code = self.codec.code
+        if code is None:
+            return codes.mul_(scales[:, None])
+        values = gradcode.block_values(codes, scales, self.bits, code)
+        if code.rotation == "hadamard":
+            values = gradcode.rotate(values, self._whole(len(values), values.device), inverse=True)
+        return values
+
+    def encode(self, chunks: Tensor, out: Tensor, generator: torch.Generator | None = None) -> None:
         rows, block_size = chunks.shape[0], self.block_size
         if self.aligned:
             blocks, fresh = quant._to_blocks(chunks, block_size)
         else:
             pieces = self.blocks.split([chunks, chunks.new_zeros((rows, self.num_pad))])
             blocks, fresh = self.blocks.cat(pieces).float().view(-1, block_size), True
-        scales = quant._block_scales(blocks, self.bits)
-        codes = quant._block_codes(blocks, scales, overwrite=fresh).view(rows, -1)
+        scales, codes = self._scales_and_codes(blocks, fresh, generator)
+        codes = codes.view(rows, -1)
         sources = [quant.pack_codes(codes, self.bits), scales.view(rows, -1).view(torch.uint8)]
         if self.has_raw:
             sources += [chunks.view(torch.uint8), chunks.new_zeros((rows, self.num_zero_bytes), dtype=torch.uint8)]
@@ -252,7 +294,7 @@ class _OnePassPlan:
         pieces = self.codes.split([packed, packed.new_zeros((rows, self.num_junk))])
         codes = quant.unpack_codes(self.codes.cat(pieces), self.bits)
         scales = self.scales.cat(pieces).view(torch.float32)
-        values = codes.view(rows, -1, block_size).mul_(scales[:, :, None]).view(rows, -1)
+        values = self._values(codes.view(-1, block_size), scales.reshape(-1)).view(rows, -1)
         if self.aligned:
             out.copy_(values)
         else:

@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from zeropp.gradcode import LEVELS, ROTATIONS, ROUNDINGS, GradientCode
 from zeropp.quant import min_block_size
 
 logger = logging.getLogger("zeropp")
@@ -71,6 +72,9 @@ _NON_NEGATIVE = _checker("a finite number >= 0", lambda v: _is_real(v) and v >= 
 _POSITIVE = _checker("a finite number > 0", lambda v: _is_real(v) and v > 0, float)
 _WEIGHT_BITS = _checker("an int from 2 to 8", lambda v: _is_int(v) and 2 <= v <= 8)
 _GRAD_BITS = _checker("2, 4 or 8", lambda v: _is_int(v) and v in (2, 4, 8))
+_GRAD_ROTATION = _checker(" or ".join(map(repr, ROTATIONS)), lambda v: v in ROTATIONS)
+_GRAD_ROUNDING = _checker(" or ".join(map(repr, ROUNDINGS)), lambda v: v in ROUNDINGS)
+_GRAD_LEVELS = _checker(" or ".join(map(repr, LEVELS)), lambda v: v in LEVELS)
 _SECTION = _checker("a JSON object {...}", lambda v: isinstance(v, dict))
 _DTYPE = _checker(
     "None (keep the model's dtype), torch.float32, torch.bfloat16 or torch.float16",
@@ -115,6 +119,9 @@ _ZEROPP_CHECKS: dict[str, Checker] = {
                            lambda v: _is_int(v) and 8 <= v <= 65536 and v & (v - 1) == 0),
     "weight_bits": _WEIGHT_BITS,
     **dict.fromkeys(("grad_bits_intra", "grad_bits_inter"), _GRAD_BITS),
+    "grad_rotation": _GRAD_ROTATION,
+    "grad_rounding": _GRAD_ROUNDING,
+    "grad_levels": _GRAD_LEVELS,
     **dict.fromkeys(("param_dtype", "reduce_dtype"), _DTYPE),
 }
 
@@ -150,6 +157,14 @@ class ZeroPPConfig:
     """hpZ + qwZ: also quantize the intra-node backward all-gather (default: full precision)."""
     error_feedback: bool = False
     """qgZ keeps each hop's quantization residual and adds it back at the next step."""
+    grad_rotation: str = "none"
+    """qgZ: "hadamard" rotates each whole gradient block by a randomized Hadamard matrix before
+    coding (same bytes; lower error for heavy-tailed blocks). See zeropp.gradcode."""
+    grad_rounding: str = "nearest"
+    """qgZ: "stochastic" rounds gradients without bias, at twice the variance of "nearest"."""
+    grad_levels: str = "uniform"
+    """qgZ: "normal" codes 2- and 4-bit hops with levels fitted to Gaussian blocks (same bytes;
+    0.6x the mean square error on them); 8-bit hops stay evenly spaced."""
     param_dtype: torch.dtype | None = None
     """Dtype of compute and of the weight all-gathers (mixed precision); None keeps the model's."""
     reduce_dtype: torch.dtype | None = None
@@ -175,6 +190,11 @@ class ZeroPPConfig:
                 "2 and 3 bits only for frozen weights. Allowed: weight_bits >= 4; or quantized_nontrainable_weights "
                 "alone (frozen weights, e.g. a LoRA base); or low_bit_trainable_weights=true (DeepSpeed JSON: "
                 "zero_optimization.zeropp.low_bit_trainable_weights) to train through the coarse code anyway")
+
+    @property
+    def gradient_code(self) -> GradientCode:
+        """qgZ's block code options as one value."""
+        return GradientCode(rotation=self.grad_rotation, rounding=self.grad_rounding, levels=self.grad_levels)
 
     @property
     def quantizes_weights(self) -> bool:
@@ -384,7 +404,8 @@ _DEEPSPEED_KEYS: dict[str, tuple[str, str]] = {
     "zero_optimization.zero_quantized_gradients": ("zeropp", "quantized_gradients"),
     **{f"zero_optimization.zeropp.{name}": ("zeropp", name) for name in (
         "block_size", "weight_bits", "grad_bits_intra", "grad_bits_inter",
-        "quantize_intra_node_weights", "error_feedback", "low_bit_trainable_weights")},
+        "quantize_intra_node_weights", "error_feedback", "low_bit_trainable_weights", "grad_rotation",
+        "grad_rounding", "grad_levels")},
     "bf16.enabled": ("training", "bf16"),
     "fp16.enabled": ("training", "fp16"),
     **{f"fp16.{name}": ("training", name) for name in (

@@ -50,6 +50,8 @@ class Mode:
 
 
 _ALL = {"quantized_weights": True, "quantized_gradients": True}
+_ROTNORM = {"grad_bits_intra": 8, "grad_rotation": "hadamard", "grad_levels": "normal"}
+"""qgZ's lowest-error option at DeepSpeed's cross-node bytes (``zeropp bench qgz-error``)."""
 MODES: dict[str, Mode] = {mode.name: mode for mode in (
     Mode(name="zero3", summary="ZeRO-3: FSDP2 with its own collectives (counted)"),
     Mode(name="hsdp", summary="FSDP2 hybrid sharding (replicate across nodes)", system=System.HSDP),
@@ -73,6 +75,10 @@ MODES: dict[str, Mode] = {mode.name: mode for mode in (
          options={"quantized_gradients": True, "grad_bits_intra": 8, "grad_bits_inter": 8}),
     Mode(name="qgz_int8_intra", summary="qgZ, INT8 intra-node hop, INT4 cross-node",
          options={"quantized_gradients": True, "grad_bits_intra": 8}),
+    Mode(name="qgz_sr", summary="qgZ with stochastic rounding",
+         options={"quantized_gradients": True, "grad_rounding": "stochastic"}),
+    Mode(name="qgz_rotnorm", summary="qgZ, INT8 intra-node, INT4 cross-node with rotation and normal levels",
+         options={"quantized_gradients": True, **_ROTNORM}),
     Mode(name="qgz_block32", summary="qgZ with 32-element blocks",
          options={"quantized_gradients": True, "block_size": 32}),
     Mode(name="all", summary="qwZ + hpZ + qgZ", options=_ALL, hpz=True),
@@ -80,6 +86,7 @@ MODES: dict[str, Mode] = {mode.name: mode for mode in (
          hpz=True),
     Mode(name="all_int8_intra", summary="all three, qgZ INT8 intra-node hop",
          options={**_ALL, "grad_bits_intra": 8}, hpz=True),
+    Mode(name="all_rotnorm", summary="all three, qgZ as in qgz_rotnorm", options={**_ALL, **_ROTNORM}, hpz=True),
     Mode(name="all_w6", summary="all three, qwZ with 6-bit weights", options={**_ALL, "weight_bits": 6}, hpz=True),
 )}
 """Every mode by name. ``zero3`` is the baseline every comparison is made against."""

@@ -1,5 +1,6 @@
 """qgZ: the gradient reduce-scatter as two quantized all-to-all hops (ZeRO++ section 3.3), an
-FSDP2 ``ReduceScatter`` comm, with optional error feedback.
+FSDP2 ``ReduceScatter`` comm, with optional error feedback and lower-error block codes
+(``zeropp.gradcode``: rotation, stochastic rounding, normal levels).
 
 Intra-node first (the fast links carry the big exchange), then inter-node with what is left: a
 rank sends (N - 1)/N x M/D x bits/8 bytes across nodes where a bf16 ring reduce-scatter sends
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from zeropp._fsdp import ReduceScatter
 from zeropp.codec import ChunkCodec, segments_for
 from zeropp.comms import RecordedComm, all_to_all, nbytes
+from zeropp.gradcode import GradientCode
 from zeropp.ledger import CommLedger
 from zeropp.topology import ProcessGroups
 
@@ -68,13 +70,17 @@ class HierarchicalQuantizedReduceScatter(RecordedComm, ReduceScatter):
 
     def __init__(self, groups: ProcessGroups, padded_numels: list[int], *, bits_intra: int,
                  bits_inter: int, block_size: int, error_feedback: bool = False,
-                 ledger: CommLedger | None = None) -> None:
+                 code: GradientCode | None = None, seed: int = 0, ledger: CommLedger | None = None) -> None:
         super().__init__(groups.topology, ledger)
         self.groups = groups
         self.padded_numels = padded_numels
         self.bits_intra, self.bits_inter, self.block_size = bits_intra, bits_inter, block_size
         self.error_feedback = error_feedback
+        self.code = code if code is not None else GradientCode()
+        self.seed = seed
+        """Seeds stochastic rounding's uniforms, with the rank and hop ([Note: stochastic rounding])."""
         self._residuals: dict[int, torch.Tensor] = {}  # hop -> fp32 quantization residual
+        self._generators: dict[int, torch.Generator] = {}  # hop -> uniforms of stochastic rounding
         self._codecs: dict[tuple[int, int], ChunkCodec] = {}
         self._routes: dict[tuple, _Route] = {}
 
@@ -86,8 +92,18 @@ class HierarchicalQuantizedReduceScatter(RecordedComm, ReduceScatter):
                 segments = segments_for(self.padded_numels, [True] * len(self.padded_numels), world_size, bits)
             else:
                 segments = segments_for([chunk_numel], [True], 1, bits)
-            self._codecs[key] = ChunkCodec(segments, self.block_size, torch.float32)
+            self._codecs[key] = ChunkCodec(segments, self.block_size, torch.float32, self.code)
         return self._codecs[key]
+
+    def _generator(self, hop: int, device: torch.device) -> torch.Generator | None:
+        """Stochastic rounding's generator for a hop: seeded by (seed, global rank, hop), so each
+        rank draws its own uniforms and a run with the same seed draws the same ones."""
+        if self.code.rounding != "stochastic":
+            return None
+        if hop not in self._generators:
+            rank_seed = (self.seed * 1_000_003 + dist.get_rank()) * 4 + hop
+            self._generators[hop] = torch.Generator(device).manual_seed(rank_seed)
+        return self._generators[hop]
 
     @property
     def residual_bytes(self) -> int:
@@ -164,7 +180,7 @@ class HierarchicalQuantizedReduceScatter(RecordedComm, ReduceScatter):
         if self.error_feedback:
             rows = self._with_residual(hop, rows)
         packed = torch.empty((len(route.sent), codec.nbytes), dtype=torch.uint8, device=rows.device)
-        codec.encode(rows.index_select(0, route.sent), packed)
+        codec.encode(rows.index_select(0, route.sent), packed, self._generator(hop, rows.device))
         if self.error_feedback:
             self._keep_residual(hop, rows, route.sent, packed, codec)
         received = torch.empty_like(packed)

@@ -1,4 +1,4 @@
-"""``zeropp bench quant|comm|step|generate|overhead|export``: the benchmarks' command-line options."""
+"""``zeropp bench quant|qgz-error|comm|step|generate|overhead|export``: the benchmarks' command-line options."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from zeropp.modes import MODES, parse_modes
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``zeropp bench``'s options; each benchmark takes the ones it names."""
-    parser.add_argument("what", choices=["quant", "comm", "step", "generate", "overhead", "export"])
+    parser.add_argument("what", choices=["quant", "qgz-error", "comm", "step", "generate", "overhead", "export"])
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--quick", action="store_true",
-                        help="comm/step/overhead: a tiny model or few steps (smoke run)")
+                        help="comm/step/overhead: a tiny model or few steps; qgz-error: 2x2 synthetic only (smoke run)")
     parser.add_argument("--modes", type=lambda text: parse_modes(text, MODES), default=None,
                         help=f"comm/step: comma-separated modes (default: {','.join(BENCH_MODES)}; step adds "
                              "'deepspeed' when DeepSpeed is installed)")
@@ -32,6 +32,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         from zeropp.bench import quant
 
         quant.run(out_dir=args.out)
+    elif args.what == "qgz-error":
+        from zeropp.bench import qgz_error
+
+        qgz_error.run(out_dir=args.out, quick=args.quick)
     elif args.what == "export":
         from zeropp.bench import export
 

@@ -95,7 +95,9 @@ def _resumable_results(path: Path, settings: DemoConfig, num_nodes: int, ranks_p
     wanted.pop("mode")
     if path.exists():
         previous = json.loads(path.read_text())
-        if previous.get("settings") == wanted:
+        defaults = dataclasses.asdict(DemoConfig())  # fields added since the file was written
+        if {**defaults, **previous.get("settings", {})} == {**defaults, **wanted}:
+            previous["settings"] = wanted
             return previous
         print(f"{path} holds results of other settings; starting afresh", flush=True)
     return {"settings": wanted, "modes": {}}
