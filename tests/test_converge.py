@@ -58,6 +58,9 @@ def test_rerun_skips_finished_modes(results, monkeypatch) -> None:
 
     monkeypatch.setattr(converge, "_train_mode", must_not_train)
     monkeypatch.setattr(converge, "train_reference", must_not_train)
+    older = json.loads((out_dir / "converge.json").read_text())  # as written before these fields existed
+    del older["settings"]["corpus"], older["settings"]["optimizer"]
+    (out_dir / "converge.json").write_text(json.dumps(older))
     again = converge.run(out_dir, steps=STEPS, modes=("zero3", "qgz"), eval_every=2, eval_batches=1,
                          runs_dir=out_dir / "runs", **TINY)
     assert again["modes"]["qgz"]["train_loss"] == written["modes"]["qgz"]["train_loss"]
@@ -66,3 +69,26 @@ def test_rerun_skips_finished_modes(results, monkeypatch) -> None:
 def test_unknown_mode_is_named() -> None:
     with pytest.raises(ValueError, match="'nope'"):
         converge.run("unused", modes=("zero3", "nope"))
+
+
+def _seed_results(seed: int, losses: dict[str, float]) -> dict:
+    modes = {name: {"final_val_loss": loss, "zeropp_config": None} for name, loss in losses.items()}
+    converge.add_deltas(modes)
+    return {"settings": {"steps": 10, "seed": seed}, "modes": modes}
+
+
+def test_seed_statistics_pair_each_mode_with_its_seeds_zero3() -> None:
+    """Deltas are taken per seed against that seed's ZeRO-3, then averaged: +1%, +2%, +3% give
+    mean 2 and sample standard deviation 1; a mode missing on one seed is left out; the noise
+    floor is ZeRO-3's own spread (losses 1.9, 2.0, 2.1: std 0.1 = 5% of the mean)."""
+    per_seed = {k: _seed_results(k, {"zero3": base, "all": base * (1.01 + 0.01 * k)})
+                for k, base in enumerate((1.9, 2.0, 2.1))}
+    per_seed[1]["modes"]["qgz"] = per_seed[1]["modes"]["all"]
+    summary = converge.seed_statistics(per_seed)
+    assert list(summary["modes"]) == ["zero3", "all"] and summary["seeds"] == [0, 1, 2]
+    assert summary["modes"]["all"]["mean_percent"] == pytest.approx(2.0)
+    assert summary["modes"]["all"]["std_percent"] == pytest.approx(1.0)
+    assert summary["modes"]["zero3"]["std_percent"] == 0
+    assert summary["zero3_seed_spread_percent"] == pytest.approx(5.0)
+    assert "seed" not in summary["settings"]
+    assert "| all | +2.00% ± 1.00 | +1.00%, +2.00%, +3.00% |" in converge.seeds_table(summary)

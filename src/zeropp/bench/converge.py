@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from zeropp.cluster.launch import launch_local
 from zeropp.data import CharCorpus
-from zeropp.demo import DemoConfig
+from zeropp.demo import DemoConfig, build_optimizer
 from zeropp.jobs import config_flags
 from zeropp.models import GPT, GPTConfig
 from zeropp.modes import BASELINE, MODES, check_modes, parse_modes, zeropp_modes
@@ -89,6 +89,84 @@ def run(out_dir: str | Path = "benchmarks/results", *, steps: int = STEPS,
     return results
 
 
+def run_seeds(out_dir: str | Path, seeds: Sequence[int], *, runs_dir: str | Path = "runs/converge",
+              **kwargs: Any) -> dict[str, Any]:
+    """``run`` once per seed into ``<out_dir>/seed_<k>`` (each resumable), then the statistics of
+    every mode's final validation-loss delta against ZeRO-3 across the seeds:
+    ``<out_dir>/converge_seeds.json``, ``converge_seeds.png`` and a printed table."""
+    per_seed = {seed: run(Path(out_dir) / f"seed_{seed}", seed=seed, runs_dir=Path(runs_dir) / f"seed_{seed}",
+                          **kwargs) for seed in seeds}
+    summary = seed_statistics(per_seed)
+    _write_json(Path(out_dir) / "converge_seeds.json", summary)
+    plot_seeds(Path(out_dir) / "converge_seeds.png", summary)
+    print(seeds_table(summary))
+    return summary
+
+
+def seed_statistics(per_seed: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Per mode run on every seed: each seed's delta against that seed's ZeRO-3 (same data, same
+    initial weights), their mean and sample standard deviation. The noise floor: how much ZeRO-3's
+    own final loss moves from seed to seed (standard deviation, in percent of its mean)."""
+    seeds = sorted(per_seed)
+    names = [name for name in per_seed[seeds[0]]["modes"] if all(name in per_seed[k]["modes"] for k in seeds)]
+    modes = {}
+    for name in names:
+        deltas = [per_seed[k]["modes"][name]["val_delta_vs_zero3_percent"] for k in seeds]
+        losses = [per_seed[k]["modes"][name]["final_val_loss"] for k in seeds]
+        modes[name] = {"deltas_percent": deltas, "mean_percent": _mean(deltas), "std_percent": _std(deltas),
+                       "final_val_losses": losses, "zeropp_config": per_seed[seeds[0]]["modes"][name]["zeropp_config"]}
+    baseline = [per_seed[k]["modes"][BASELINE]["final_val_loss"] for k in seeds if BASELINE in per_seed[k]["modes"]]
+    floor = 100 * _std(baseline) / _mean(baseline) if len(baseline) > 1 else None
+    settings = {key: value for key, value in per_seed[seeds[0]]["settings"].items() if key != "seed"}
+    return {"settings": settings, "seeds": seeds, "zero3_seed_spread_percent": floor, "modes": modes}
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _std(values: Sequence[float]) -> float:
+    """Sample standard deviation (0 for one value)."""
+    if len(values) < 2:
+        return 0.0
+    mean = _mean(values)
+    return (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+
+
+def seeds_table(summary: dict[str, Any]) -> str:
+    """Markdown: per mode the mean and standard deviation of its delta against ZeRO-3, and each seed's."""
+    lines = [f"seeds {summary['seeds']}; ZeRO-3's final loss moves {summary['zero3_seed_spread_percent'] or 0:.2f}% "
+             "(standard deviation) from seed to seed", "",
+             "| mode | Δ vs ZeRO-3, mean ± std | per seed |", "|---|---:|---|"]
+    for name, entry in summary["modes"].items():
+        per_seed = ", ".join(f"{d:+.2f}%" for d in entry["deltas_percent"])
+        lines.append(f"| {name} | {entry['mean_percent']:+.2f}% ± {entry['std_percent']:.2f} | {per_seed} |")
+    return "\n".join(lines)
+
+
+def plot_seeds(path: Path, summary: dict[str, Any]) -> None:
+    """Each mode's delta against ZeRO-3 per seed (dots) and mean ± standard deviation (bar)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [name for name in summary["modes"] if name != BASELINE]
+    fig, ax = plt.subplots(figsize=(1.4 * len(names) + 2, 4))
+    for i, name in enumerate(names):
+        entry = summary["modes"][name]
+        ax.bar(i, entry["mean_percent"], yerr=entry["std_percent"], color=f"C{i}", alpha=0.5, capsize=4)
+        ax.plot([i] * len(entry["deltas_percent"]), entry["deltas_percent"], "k.", ms=6)
+    ax.axhspan(-0.5, 0.5, color="grey", alpha=0.15, label="±0.5%")
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
+    ax.set(ylabel="final val loss vs ZeRO-3 (%)", title=f"seeds {summary['seeds']}: mean ± std, dots per seed")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def _resumable_results(path: Path, settings: DemoConfig, num_nodes: int, ranks_per_node: int) -> dict[str, Any]:
     """The results already in ``path`` if they were made with these settings, else a fresh dict."""
     wanted = {**dataclasses.asdict(settings), "num_nodes": num_nodes, "ranks_per_node": ranks_per_node}
@@ -117,12 +195,12 @@ def train_reference(config: DemoConfig) -> list[dict]:
     """The demo's training in one process without zeropp: same model, seed, global batches,
     optimizer and schedule. Records as the demo's: step, loss, elapsed_s, val_loss."""
     torch.set_num_threads(1)  # as each rank: a shared machine, and comparable step times
-    corpus = CharCorpus.shakespeare()
+    corpus = CharCorpus.named(config.corpus)
     torch.manual_seed(config.seed)
     model = GPT(GPTConfig(vocab_size=corpus.vocab_size, context_length=config.context_length,
                           num_layers=config.num_layers, num_heads=config.num_heads,
                           embed_dim=config.embed_dim))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
+    optimizer = build_optimizer(model, config)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, config.steps, eta_min=config.lr / 10)
     records, started = [], time.perf_counter()
     for step in tqdm(range(config.steps), desc=f"{REFERENCE} training", unit="step"):
@@ -243,15 +321,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", default="runs/converge", help="per-mode run directories")
     parser.add_argument("--seed", type=int, default=0,
                         help="initial weights and data order (default 0; another seed shows the spread)")
+    parser.add_argument("--seeds", type=lambda text: [int(k) for k in text.split(",")], default=None,
+                        help="comma-separated: one run per seed under <out>/seed_<k>, then the mean and standard "
+                             "deviation of each mode's delta (<out>/converge_seeds.json); replaces --seed")
+    parser.add_argument("--corpus", default="shakespeare", choices=["shakespeare", "kjv"],
+                        help="training text (kjv: the King James Bible, which nothing here was tuned on)")
+    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"],
+                        help="sgd: momentum 0.9 (give --lr; the default 1e-3 suits AdamW)")
+    parser.add_argument("--lr", type=float, default=TRAINING["lr"])
     parser.set_defaults(func=run_from_args)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    """``zeropp converge``: ``run`` with the parsed options."""
-    run(args.out, steps=args.steps, modes=parse_modes(args.modes, zeropp_modes()),
-        eval_every=args.eval_every, eval_batches=args.eval_batches, num_nodes=args.nodes,
-        ranks_per_node=args.ranks_per_node, reference=not args.no_reference, runs_dir=args.runs,
-        seed=args.seed)
+    """``zeropp converge``: ``run`` (or ``run_seeds``) with the parsed options."""
+    options = dict(steps=args.steps, modes=parse_modes(args.modes, zeropp_modes()), eval_every=args.eval_every,
+                   eval_batches=args.eval_batches, num_nodes=args.nodes, ranks_per_node=args.ranks_per_node,
+                   reference=not args.no_reference, runs_dir=args.runs, corpus=args.corpus,
+                   optimizer=args.optimizer, lr=args.lr)
+    if args.seeds is not None:
+        run_seeds(args.out, args.seeds, **options)
+    else:
+        run(args.out, seed=args.seed, **options)
     return 0
 
 

