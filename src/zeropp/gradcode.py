@@ -152,8 +152,8 @@ def _uniform(like: Tensor, generator: torch.Generator | None) -> Tensor:
 def block_values(codes: Tensor, scales: Tensor, bits: int, code: GradientCode) -> Tensor:
     """Decoded fp32 values (num_blocks, B) of integer-valued codes and their block scales."""
     table = code.table(bits, codes.shape[1], codes.device)
-    units = codes if table is None else table[codes.add(2 ** (bits - 1)).long()]
-    return units.mul_(scales[:, None]) if table is None else units.mul(scales[:, None])
+    units = codes if table is None else table[codes.add(2 ** (bits - 1)).long()]  # a new tensor
+    return units.mul_(scales[:, None])
 
 
 def max_level_gap(bits: int, block_size: int, code: GradientCode) -> float:

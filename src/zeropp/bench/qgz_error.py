@@ -243,8 +243,11 @@ def plot(path: Path, sweep: list[dict[str, Any]]) -> None:
         points = [(r["num_nodes"], r["relative_rms"]) for r in sweep
                   if tuple(r["bits"]) == bits and r["option"] == option]
         ax.plot(*zip(*points), "o-", label=f"INT{bits[0]}/INT{bits[1]} {option}")
+    nodes = sorted({r["num_nodes"] for r in sweep})
     ax.set(xscale="log", xlabel="nodes (8 ranks each)", ylabel="relative RMS error vs exact mean",
            title="qgZ reduce-scatter error, Gaussian gradients, block 256")
+    ax.set_xticks(nodes, [str(n) for n in nodes])
+    ax.minorticks_off()
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
