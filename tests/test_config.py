@@ -70,7 +70,7 @@ FULL_CONFIG: dict[str, Any] = {
         "zeropp": {"block_size": 128, "weight_bits": 8, "grad_bits_intra": 8,
                    "grad_bits_inter": 4, "quantize_intra_node_weights": True,
                    "error_feedback": True, "grad_rotation": "hadamard", "grad_rounding": "stochastic",
-                   "grad_levels": "normal"},
+                   "grad_levels": "normal", "overlap": True},
     },
 }
 
@@ -147,6 +147,7 @@ def test_zeropp_every_field_rejects_a_string(name: str) -> None:
         ("grad_bits_intra", 6, "2, 4 or 8"),
         ("grad_bits_inter", True, "2, 4 or 8"),
         ("low_bit_trainable_weights", 1, "a bool"),
+        ("overlap", "yes", "a bool"),
         ("param_dtype", torch.float64, "torch.bfloat16"),
         ("param_dtype", "bfloat16", "torch.bfloat16"),
         ("reduce_dtype", torch.int8, "torch.float32"),
@@ -407,7 +408,7 @@ def test_full_config_reaches_every_field() -> None:
         quantized_weights=True, hpz_partition_size=8, quantized_gradients=True, block_size=128,
         weight_bits=8, grad_bits_intra=8, grad_bits_inter=4, quantize_intra_node_weights=True,
         error_feedback=True, grad_rotation="hadamard", grad_rounding="stochastic", grad_levels="normal",
-        param_dtype=torch.float16)
+        overlap=True, param_dtype=torch.float16)
     assert parsed.zeropp.gradient_code == GradientCode(rotation="hadamard", rounding="stochastic", levels="normal")
     training = parsed.training
     assert training.resolve_batch(4) == (32, 4, 2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -195,3 +196,63 @@ def test_select_units_errors(units: list, match: str) -> None:
 def test_shard_without_process_group_is_a_clear_error() -> None:
     with pytest.raises(RuntimeError, match="init_process_group"):
         zeropp.shard(make_model("tied"))
+
+
+def _train_with_and_without_overlap(rank: int, world_size: int, options: dict) -> dict:
+    """Three SGD steps of two micro-batches each (the second adds to the first's gradients, so
+    it must finish on time) of the GPT, sharded with ``options``, once with ``overlap`` and once
+    without; how many qwZ gathers were decoded on wait and how many reduce-scatters finished late
+    in the overlap run."""
+    from zeropp import comms, qwz
+
+    counts = {"decoded_on_wait": 0, "finished_late": 0}
+    original_init, original_finish_late = qwz.DecodeOnWait.__init__, comms.finish_late
+
+    def counting_init(self, *args):  # noqa: ANN001, ANN202
+        counts["decoded_on_wait"] += 1
+        original_init(self, *args)
+
+    def counting_finish_late(finish):  # noqa: ANN001, ANN202
+        counts["finished_late"] += 1
+        original_finish_late(finish)
+
+    qwz.DecodeOnWait.__init__ = counting_init
+    for module in (comms, sys.modules["zeropp.qgz"]):
+        module.finish_late = counting_finish_late
+    runs = {}
+    for overlap in (False, True):
+        model = make_model("gpt")
+        zeropp.shard(model, zeropp.ZeroPPConfig(**options, overlap=overlap))
+        opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+        zeropp.comm_ledger().reset()
+        losses: list[float] = []
+        train_steps(model, opt, lambda s, m: tuple(rows(t, rank, world_size) for t in global_batch(s, GLOBAL_BATCH)),
+                    3, 2, lambda s, loss: losses.append(loss))
+        runs[overlap] = {"params": _full_params(model), "losses": losses, "ledger": zeropp.comm_ledger().summary(),
+                         "counts": dict(counts), "unfinished": len(comms._unfinished)}
+    plain, overlapped = runs[False], runs[True]
+    return {"params_equal": all(torch.equal(plain["params"][n], overlapped["params"][n]) for n in plain["params"]),
+            "losses": (plain["losses"], overlapped["losses"]), "ledgers": (plain["ledger"], overlapped["ledger"]),
+            "counts": (plain["counts"], overlapped["counts"]), "unfinished": overlapped["unfinished"]}
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    pytest.param({"quantized_weights": True, "quantized_gradients": True, "hpz_partition_size": 2},
+                 marks=pytest.mark.slow),
+])
+def test_overlap_trains_bit_identically(options: dict) -> None:
+    """``overlap`` changes when comms run, not what they carry: parameters after three steps are
+    bit-identical to the run without it, every ledger count is equal, reduce-scatters finished
+    late (and none is left unfinished after backward), and with qwZ the gathers were issued
+    asynchronously (decoded when FSDP2 waited for them)."""
+    results = run_distributed(_train_with_and_without_overlap, 4, dict(options), env=TWO_BY_TWO)
+    for r in results:
+        assert r["params_equal"]
+        assert r["losses"][0] == r["losses"][1]
+        assert r["ledgers"][0] == r["ledgers"][1]
+        plain, overlapped = r["counts"]
+        assert plain == {"decoded_on_wait": 0, "finished_late": 0}
+        assert overlapped["finished_late"] > 0 and r["unfinished"] == 0
+        if options.get("quantized_weights"):
+            assert overlapped["decoded_on_wait"] > 0

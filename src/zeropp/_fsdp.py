@@ -1,5 +1,6 @@
 """The one module that touches private state of the libraries zeropp builds on: FSDP2's
-parameter groups and comm interfaces, c10d's group registry, autograd's graph task, three DCP
+parameter groups and comm interfaces, c10d's group registry, autograd's graph task and
+end-of-backward callbacks, three DCP
 helpers (nested-dict assignment, the metadata-driven load planner, loading without a process
 group), and accelerate's mark of a model it has already prepared.
 
@@ -14,18 +15,21 @@ name, this file is the only one to change. Verified against torch 2.11 and 2.13
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed.checkpoint._nested_dict import set_element
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as load_state_dict_into
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
 from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
 __all__ = [
@@ -33,7 +37,10 @@ __all__ = [
     "EmptyStateDictLoadPlanner",
     "ReduceScatter",
     "UnitLayout",
+    "at_backward_end",
+    "backward_id",
     "fsdp_units",
+    "gradients_read_only_after_backward",
     "in_backward",
     "load_state_dict_into",
     "mark_prepared_for_accelerate",
@@ -42,6 +49,7 @@ __all__ = [
     "shard_versions",
     "set_element",
     "set_process_group_timeouts",
+    "set_unshard_async",
     "unit_layout",
 ]
 
@@ -170,6 +178,13 @@ def set_post_forward_meshes(units: Iterable[FSDPModule], meshes: Iterable[Any]) 
             group.post_forward_mesh_info = mesh
 
 
+def set_unshard_async(root: FSDPModule, enabled: bool) -> None:
+    """Have FSDP2 issue the pre-forward and pre-backward gathers of ``root`` and every unit in it
+    with ``async_op`` (and wait for them just before use), so that an explicitly prefetched
+    gather runs beside compute."""
+    root._set_unshard_async_op(enabled)
+
+
 def fsdp_units(model: nn.Module) -> Iterator[FSDPModule]:
     """Every module of ``model`` that ``fully_shard`` made a unit, in ``modules()`` order."""
     return (m for m in model.modules() if isinstance(m, FSDPModule))
@@ -178,6 +193,33 @@ def fsdp_units(model: nn.Module) -> Iterator[FSDPModule]:
 def in_backward() -> bool:
     """Whether autograd is running a backward pass on this thread (FSDP2's backward gathers)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def backward_id() -> int:
+    """The running backward pass's graph task (-1 outside backward): tells one backward from the next."""
+    return torch._C._current_graph_task_id()
+
+
+def at_backward_end(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the running backward pass has run its last node, before
+    ``backward()`` returns (after FSDP2's own end-of-backward work, queued before it)."""
+    Variable._execution_engine.queue_callback(callback)
+
+
+def gradients_read_only_after_backward(unit: FSDPModule, reduce_dtype: torch.dtype,
+                                       op: dist.ReduceOp) -> bool:
+    """Whether FSDP2 leaves the unit's reduce-scatter output alone until backward ends, so a
+    comm may fill it later: every sharded gradient becomes a view of the output (no gradient to
+    add it to, no cast to another dtype, no division after the collective (``op`` is AVG), no
+    HSDP all-reduce, no CPU offload) and no post-accumulate-grad hook reads it in backward."""
+    group = _param_group(unit)
+    if group is None or op != dist.ReduceOp.AVG or isinstance(group.mesh_info, HSDPMeshInfo):
+        return False
+    return all(
+        fsdp_param.sharded_param.grad is None and fsdp_param.orig_dtype == reduce_dtype
+        and not fsdp_param.offload_to_cpu
+        and not getattr(fsdp_param.sharded_param, "_post_accumulate_grad_hooks", None)
+        for fsdp_param in group.fsdp_params)
 
 
 def set_process_group_timeouts(timeout_s: float) -> None:

@@ -8,12 +8,13 @@ and ``CountingReduceScatter`` are FSDP2's default collectives, counted, for plai
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from zeropp._fsdp import AllGather, ReduceScatter
+from zeropp._fsdp import AllGather, ReduceScatter, at_backward_end, backward_id, in_backward
 from zeropp.ledger import CommLedger, GroupInfo, Op, comm_ledger
 from zeropp.topology import Topology
 
@@ -72,14 +73,15 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: dist.ReduceOp,
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, split_sizes: list[int], group: dist.ProcessGroup,
-               recorder: Recorder, technique: str, *, dtype: torch.dtype | str) -> None:
+               recorder: Recorder, technique: str, *, dtype: torch.dtype | str,
+               async_op: bool = False) -> dist.Work | None:
     """Send ``split_sizes[peer]`` elements of ``input`` to each peer and receive as many from
     it, in rank order (the same splits both ways). The ledger counts the largest split as what
     goes to each peer (zeropp's exchanges send equal splits to every peer but themselves)."""
     bytes_per_peer = max(split_sizes, default=0) * input.element_size()
     recorder.record(Op.ALL_TO_ALL, group, bytes_per_peer, dtype, technique)
-    dist.all_to_all_single(output, input, output_split_sizes=split_sizes, input_split_sizes=split_sizes,
-                           group=group)
+    return dist.all_to_all_single(output, input, output_split_sizes=split_sizes, input_split_sizes=split_sizes,
+                                  group=group, async_op=async_op)
 
 
 def all_reduce_sum(buffer: torch.Tensor, group: dist.ProcessGroup | None, recorder: Recorder,
@@ -127,6 +129,58 @@ class RecordedComm:
         return torch.empty(*size, dtype=dtype, device=device)
 
 
+class LateReduceScatter(RecordedComm, ReduceScatter):
+    """A reduce-scatter that may return before its output is written: see [Note: late
+    reduce-scatter].
+
+    [Note: late reduce-scatter]
+    FSDP2 on CPU has no streams: it calls the reduce-scatter and reads the output at once, so
+    the transfer of every unit's gradients stops backward. Yet, when nothing reads a unit's
+    gradients before backward ends (``_fsdp.gradients_read_only_after_backward``: each sharded
+    gradient is a bare view of the output), the output may be written later. With ``overlap``
+    such a comm starts its (last) collective asynchronously and hands ``finish_late`` what
+    remains (wait, decode, sum, write the output). At most one unit is left unfinished: the
+    next unit's call, once its own collective is on its way, finishes the previous one, and
+    the end of backward finishes the last (an autograd end-of-backward callback, which runs
+    before ``backward()`` returns). So the transfer of unit i runs while unit i-1's backward
+    computes, and the gradients are complete, bit for bit as without ``overlap``, when the
+    caller next sees them. A backward pass that starts while another's work is unfinished (a
+    reentrant checkpoint's inner backward, or one after a failed backward) finishes it first.
+    """
+
+    may_finish_late: Callable[[torch.dtype, dist.ReduceOp], bool] | None = None
+    """Set by ``zeropp.shard`` with ``overlap``: whether a call with this reduce dtype and op may
+    leave its output unwritten until backward ends (the unit's gradients are read no sooner)."""
+
+    def finishes_late(self, output_tensor: torch.Tensor, op: dist.ReduceOp) -> bool:
+        return (self.may_finish_late is not None and in_backward()
+                and self.may_finish_late(output_tensor.dtype, op))
+
+
+_unfinished: deque[Callable[[], None]] = deque()
+_unfinished_backward = [-1]  # the backward pass whose end finishes ``_unfinished``
+
+
+def finish_late(finish: Callable[[], None]) -> None:
+    """Run ``finish`` after the next late reduce-scatter starts, or when backward ends: see
+    [Note: late reduce-scatter]. Call it inside backward."""
+    backward = backward_id()
+    if _unfinished_backward[0] != backward:
+        finish_unfinished()
+        _unfinished_backward[0] = backward
+        at_backward_end(finish_unfinished)
+    _unfinished.append(finish)
+    while len(_unfinished) > 1:
+        _unfinished.popleft()()
+
+
+def finish_unfinished() -> None:
+    """Finish every late reduce-scatter, oldest first."""
+    _unfinished_backward[0] = -1
+    while _unfinished:
+        _unfinished.popleft()()
+
+
 class CountingAllGather(RecordedComm, AllGather):
     """FSDP2's default all-gather, counted in the ledger."""
 
@@ -135,13 +189,18 @@ class CountingAllGather(RecordedComm, AllGather):
         return all_gather(output_tensor, input_tensor, group, self.recorder, self.technique, async_op=async_op)
 
 
-class CountingReduceScatter(RecordedComm, ReduceScatter):
+class CountingReduceScatter(LateReduceScatter):
     """FSDP2's default reduce-scatter, counted in the ledger."""
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: dist.ReduceOp, async_op: bool = False) -> dist.Work | None:
-        return reduce_scatter(output_tensor, input_tensor, op, group, self.recorder, self.technique,
-                              async_op=async_op)
+        late = not async_op and self.finishes_late(output_tensor, op)
+        work = reduce_scatter(output_tensor, input_tensor, op, group, self.recorder, self.technique,
+                              async_op=async_op or late)
+        if late:
+            finish_late(work.wait)
+            return None
+        return work
 
 
 def all_reduce_mean(value: torch.Tensor, topology: Topology, group: dist.ProcessGroup | None = None) -> float:

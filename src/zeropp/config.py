@@ -113,7 +113,8 @@ def _check_type_name(key: str, value: Any, names: Mapping[str, Any], any_case: b
 
 _ZEROPP_CHECKS: dict[str, Checker] = {
     **dict.fromkeys(("quantized_weights", "quantized_nontrainable_weights", "quantized_gradients",
-                     "quantize_intra_node_weights", "error_feedback", "low_bit_trainable_weights"), _BOOL),
+                     "quantize_intra_node_weights", "error_feedback", "low_bit_trainable_weights", "overlap"),
+                    _BOOL),
     "hpz_partition_size": _POSITIVE_INT,
     "block_size": _checker("a power of two from 8 to 65536",
                            lambda v: _is_int(v) and 8 <= v <= 65536 and v & (v - 1) == 0),
@@ -165,6 +166,13 @@ class ZeroPPConfig:
     grad_levels: str = "uniform"
     """qgZ: "normal" codes 2- and 4-bit hops with levels fitted to Gaussian blocks (same bytes;
     0.6x the mean square error on them); 8-bit hops stay evenly spaced."""
+    overlap: bool = False
+    """Run communication beside compute where FSDP2 has no streams to do it (gloo on CPU): each
+    unit gathers the next ones while it computes (FSDP2's explicit prefetching, asynchronous
+    gathers, qwZ decoding when the gather is waited for), and each reduce-scatter's cross-node
+    part finishes while the next unit's backward computes (at the latest when backward ends).
+    Same bytes, same values; up to two more units held gathered and one reduce-scatter in
+    flight. It pays where the link is slow; where the CPU sets the pace, its threads compete."""
     param_dtype: torch.dtype | None = None
     """Dtype of compute and of the weight all-gathers (mixed precision); None keeps the model's."""
     reduce_dtype: torch.dtype | None = None
@@ -405,7 +413,7 @@ _DEEPSPEED_KEYS: dict[str, tuple[str, str]] = {
     **{f"zero_optimization.zeropp.{name}": ("zeropp", name) for name in (
         "block_size", "weight_bits", "grad_bits_intra", "grad_bits_inter",
         "quantize_intra_node_weights", "error_feedback", "low_bit_trainable_weights", "grad_rotation",
-        "grad_rounding", "grad_levels")},
+        "grad_rounding", "grad_levels", "overlap")},
     "bf16.enabled": ("training", "bf16"),
     "fp16.enabled": ("training", "fp16"),
     **{f"fp16.{name}": ("training", name) for name in (

@@ -88,6 +88,10 @@ MODES: dict[str, Mode] = {mode.name: mode for mode in (
          options={**_ALL, "grad_bits_intra": 8}, hpz=True),
     Mode(name="all_rotnorm", summary="all three, qgZ as in qgz_rotnorm", options={**_ALL, **_ROTNORM}, hpz=True),
     Mode(name="all_w6", summary="all three, qwZ with 6-bit weights", options={**_ALL, "weight_bits": 6}, hpz=True),
+    Mode(name="zero3_overlap", summary="ZeRO-3, its gathers and reduce-scatters beside compute",
+         options={"overlap": True}),
+    Mode(name="all_overlap", summary="all three, their gathers and qgZ's cross-node hop beside compute",
+         options={**_ALL, "overlap": True}, hpz=True),
 )}
 """Every mode by name. ``zero3`` is the baseline every comparison is made against."""
 

@@ -10,14 +10,14 @@ the world size exactly (DeepSpeed's divides by the number of nodes).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from zeropp._fsdp import ReduceScatter
 from zeropp.codec import ChunkCodec, segments_for
-from zeropp.comms import RecordedComm, all_to_all, nbytes
+from zeropp.comms import LateReduceScatter, all_to_all, finish_late, nbytes
 from zeropp.gradcode import GradientCode
 from zeropp.ledger import CommLedger
 from zeropp.topology import ProcessGroups
@@ -42,7 +42,21 @@ class _Route:
     rows_from: list[int]
 
 
-class HierarchicalQuantizedReduceScatter(RecordedComm, ReduceScatter):
+@dataclass(frozen=True)
+class _Exchange:
+    """One hop's all-to-all, sent (and perhaps still in flight): what came back is ``received``
+    once ``work`` (None when it ran synchronously) is waited for; ``own`` are the rows this rank
+    kept in fp32, ``shape`` the rows' (k, S)."""
+
+    work: dist.Work | None
+    received: torch.Tensor
+    own: torch.Tensor
+    route: _Route
+    codec: ChunkCodec
+    shape: torch.Size
+
+
+class HierarchicalQuantizedReduceScatter(LateReduceScatter):
     """qgZ: the gradient reduce-scatter as two quantized all-to-all hops, intra-node then
     inter-node, reduced in fp32 between them (ZeRO++ section 3.3). See [Note: qgZ remap].
 
@@ -129,11 +143,28 @@ class HierarchicalQuantizedReduceScatter(RecordedComm, ReduceScatter):
             partial = self._intra_node_hop(chunks, chunk_numel)  # (N, S) fp32
         else:
             partial = chunks[:, 0].float()
-        total = self._inter_node_hop(partial, chunk_numel) if num_nodes > 1 else partial[0]
-        if op == dist.ReduceOp.AVG:
-            total = total.div_(topology.world_size)
-        output_tensor.copy_(total)
+        if num_nodes == 1:
+            self._write(partial[0], output_tensor, op)
+            return None
+        # hop 2 crosses nodes: with ``overlap`` it may finish later ([Note: late reduce-scatter])
+        late = self.finishes_late(output_tensor, op)
+        exchange = self._send(partial, self.codec(chunk_numel, self.bits_inter), 2, self.groups.inter_node_group,
+                              async_op=late)
+        finish = functools.partial(self._finish_inter_node_hop, exchange, output_tensor, op)
+        if late:
+            finish_late(finish)
+        else:
+            finish()
         return None
+
+    def _finish_inter_node_hop(self, exchange: _Exchange, output_tensor: torch.Tensor, op: dist.ReduceOp) -> None:
+        """Hop 2's end: sum the N partials received into this rank's chunk."""
+        self._write(self._received(exchange).sum(dim=0), output_tensor, op)
+
+    def _write(self, total: torch.Tensor, output_tensor: torch.Tensor, op: dist.ReduceOp) -> None:
+        if op == dist.ReduceOp.AVG:
+            total = total.div_(self.topology.world_size)
+        output_tensor.copy_(total)
 
     def _with_residual(self, hop: int, x: torch.Tensor) -> torch.Tensor:
         residual = self._residuals.get(hop)
@@ -167,11 +198,10 @@ class HierarchicalQuantizedReduceScatter(RecordedComm, ReduceScatter):
                                        [0 if peer == me else per_peer for peer in range(size)])
         return self._routes[key]
 
-    def _exchange(self, rows: torch.Tensor, codec: ChunkCodec, hop: int, group: dist.ProcessGroup,
-                  remap: bool = False) -> torch.Tensor:
-        """Send ``rows`` (k, S) to the group's ranks (k / size rows each, in the order of [Note:
-        qgZ remap] with ``remap``) and return, in the same slots, what each rank sent, decoded to
-        fp32 (k, S).
+    def _send(self, rows: torch.Tensor, codec: ChunkCodec, hop: int, group: dist.ProcessGroup,
+              remap: bool = False, async_op: bool = False) -> _Exchange:
+        """Start sending ``rows`` (k, S) to the group's ranks (k / size rows each, in the order of
+        [Note: qgZ remap] with ``remap``); ``_received`` gives what each rank sent.
 
         Only the rows bound for other ranks are quantized; the block this rank owes itself stays
         in fp32 and never enters the collective, which sends it nothing (see [Note: qgZ own rows]).
@@ -184,14 +214,23 @@ class HierarchicalQuantizedReduceScatter(RecordedComm, ReduceScatter):
         if self.error_feedback:
             self._keep_residual(hop, rows, route.sent, packed, codec)
         received = torch.empty_like(packed)
-        all_to_all(received.view(-1), packed.view(-1), [count * codec.nbytes for count in route.rows_from],
-                   group, self.recorder, self.technique, dtype=f"int{codec.segments[0].bits}")
-        decoded = torch.empty(rows.shape, dtype=torch.float32, device=rows.device)
-        before, after = route.own_start, route.own_stop
-        for source, target in ((received[:before], decoded[:before]), (received[before:], decoded[after:])):
+        work = all_to_all(received.view(-1), packed.view(-1), [count * codec.nbytes for count in route.rows_from],
+                          group, self.recorder, self.technique, dtype=f"int{codec.segments[0].bits}",
+                          async_op=async_op)
+        return _Exchange(work, received, rows.index_select(0, route.own), route, codec, rows.shape)
+
+    @staticmethod
+    def _received(exchange: _Exchange) -> torch.Tensor:
+        """What each rank of an exchange sent, decoded to fp32 (k, S), in the rows' slots."""
+        if exchange.work is not None:
+            exchange.work.wait()
+        decoded = torch.empty(exchange.shape, dtype=torch.float32, device=exchange.received.device)
+        before, after = exchange.route.own_start, exchange.route.own_stop
+        for source, target in ((exchange.received[:before], decoded[:before]),
+                               (exchange.received[before:], decoded[after:])):
             if len(source):
-                codec.decode(source, target)
-        decoded[before:after] = rows.index_select(0, route.own)
+                exchange.codec.decode(source, target)
+        decoded[before:after] = exchange.own
         return decoded
 
     def _intra_node_hop(self, chunks: torch.Tensor, chunk_numel: int) -> torch.Tensor:
@@ -199,10 +238,5 @@ class HierarchicalQuantizedReduceScatter(RecordedComm, ReduceScatter):
         num_nodes, ranks_per_node = chunks.shape[:2]
         codec = self.codec(chunk_numel, self.bits_intra)
         rows = chunks.reshape(num_nodes * ranks_per_node, chunk_numel)
-        decoded = self._exchange(rows, codec, 1, self.groups.intra_node_group, remap=True)
+        decoded = self._received(self._send(rows, codec, 1, self.groups.intra_node_group, remap=True))
         return decoded.view(ranks_per_node, num_nodes, chunk_numel).sum(dim=0)
-
-    def _inter_node_hop(self, partial: torch.Tensor, chunk_numel: int) -> torch.Tensor:
-        """Hop 2: partial n goes to node n; sum the N partials received."""
-        codec = self.codec(chunk_numel, self.bits_inter)
-        return self._exchange(partial, codec, 2, self.groups.inter_node_group).sum(dim=0)

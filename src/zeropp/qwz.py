@@ -9,6 +9,10 @@ intra-node group (hpZ's backward gather) the chunk travels in full precision unl
 
 from __future__ import annotations
 
+import datetime
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -78,6 +82,28 @@ class QuantizedAllGather(RecordedComm, AllGather):
         send = torch.empty((1, codec.nbytes), dtype=torch.uint8, device=input_tensor.device)
         codec.encode(input_tensor.view(1, -1), send)
         received = torch.empty((info.size, codec.nbytes), dtype=torch.uint8, device=input_tensor.device)
-        all_gather(received.view(-1), send.view(-1), group, self.recorder, self.technique, dtype=f"int{self.bits}")
-        codec.decode(received, output_tensor.view(info.size, -1))
-        return None
+        work = all_gather(received.view(-1), send.view(-1), group, self.recorder, self.technique,
+                          dtype=f"int{self.bits}", async_op=async_op)
+        decode = functools.partial(codec.decode, received, output_tensor.view(info.size, -1))
+        if work is None:
+            decode()
+            return None
+        return DecodeOnWait(work, decode)
+
+
+class DecodeOnWait(dist.Work):
+    """A quantized gather in flight (FSDP2 asked for ``async_op``): waiting for it waits for the
+    payload, then decodes it into FSDP2's output, so the transfer overlaps whatever runs between
+    the call and the wait, and FSDP2 reads decoded weights as it would from a plain gather."""
+
+    def __init__(self, work: dist.Work, decode: Callable[[], None]) -> None:
+        super().__init__()
+        self._work, self._decode = work, decode
+        self._done = False
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        if not self._done:
+            self._work.wait()
+            self._decode()
+            self._done = True
+        return True

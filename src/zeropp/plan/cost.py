@@ -2,14 +2,15 @@
 a few machine constants.
 
 [Note: the collective time model]
-Each collective costs a fixed time per call plus its bytes over the slowest link it loads:
+Each collective costs a fixed time per call, a time per peer (ring steps, messages), and its
+bytes over the slowest link it loads:
 
-- a ring (all-gather; reduce-scatter and all-reduce as rings of twice the rounds) sends
-  ``rounds x (g - 1) x c`` bytes over every edge at once; an edge between nodes shares the node's
-  link with the node's other rings, so a ring over the world pays that many bytes over the node
-  link and, inside the node, over the rank's link (whichever is slower sets the time);
+- a ring sends ``rounds x (g - 1) x c`` bytes over every edge at once (an all-reduce, and gloo's
+  reduce-scatter, which is an all-reduce underneath, take two rounds; NCCL's reduce-scatter
+  one); a ring over the world has one edge out of each node, so it pays that many bytes over
+  the node link and, inside the node, over the rank's link, whichever is slower;
 - an all-to-all inside the node sends ``(g - 1) x c`` from every rank over its own link; across
-  nodes, every rank of a node sends ``(g - 1) x c`` at once through the node link;
+  nodes, every rank of a node sends its share to remote ranks at once through the node link;
 - a collective among one rank per node (qgZ's second hop, HSDP's all-reduce) runs on every local
   index at once: the node link carries ``ranks_per_node`` of them.
 
