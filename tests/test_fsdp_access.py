@@ -8,12 +8,20 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import zeropp
 from distributed import run_distributed
-from zeropp._fsdp import fsdp_units, in_backward, unit_layout
+from zeropp._fsdp import (
+    at_backward_end,
+    backward_id,
+    fsdp_units,
+    gradients_read_only_after_backward,
+    in_backward,
+    unit_layout,
+)
 from zeropp.modes import MODES, System, check_modes, parse_modes, zeropp_modes
 
 TWO_BY_TWO = {"ZEROPP_RANKS_PER_NODE": "2"}
@@ -61,6 +69,45 @@ def test_unit_layout_reads_fsdp2_flat_buffer_order(reshard: bool | int, post_for
     assert root.names == ["1.weight", "1.bias"]
     assert result["units"] == 2
     assert result["in_backward"] == (False, [True])
+
+
+def _read_after_backward_worker(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), nn.Linear(5, 1))
+    fully_shard(model[0])
+    fully_shard(model)
+    block = model[0]
+    avg, fp32 = dist.ReduceOp.AVG, torch.float32
+    result = {"fresh": gradients_read_only_after_backward(block, fp32, avg),
+              "sum": gradients_read_only_after_backward(block, fp32, dist.ReduceOp.SUM),
+              "bf16": gradients_read_only_after_backward(block, torch.bfloat16, avg)}
+    events: list[tuple[str, int]] = []
+    x = torch.randn(2, 6, requires_grad=True)
+    x.register_hook(lambda grad: events.append(("hook", backward_id())))
+    x.register_hook(lambda grad: at_backward_end(lambda: events.append(("end", backward_id()))))
+    for _ in range(2):
+        model(x).sum().backward()
+        events.append(("returned", backward_id()))
+    result["events"] = events
+    result["with_grads"] = gradients_read_only_after_backward(block, fp32, avg)
+    model.zero_grad(set_to_none=True)
+    result["zeroed"] = gradients_read_only_after_backward(block, fp32, avg)
+    block.linear.weight.register_post_accumulate_grad_hook(lambda p: None)
+    result["hooked"] = gradients_read_only_after_backward(block, fp32, avg)
+    return result
+
+
+def test_gradients_read_only_after_backward_and_backward_callbacks() -> None:
+    """A unit's reduce-scatter output may be written late only with AVG, the parameters' own
+    dtype, no gradient to accumulate into and no post-accumulate-grad hook; each backward has
+    its own id, and a callback queued inside backward runs before ``backward()`` returns."""
+    result = run_distributed(_read_after_backward_worker, 2)[0]
+    assert (result["fresh"], result["sum"], result["bf16"]) == (True, False, False)
+    assert (result["with_grads"], result["zeroed"], result["hooked"]) == (False, True, False)
+    (hook1, id1), (end1, end_id1), (ret1, out1), (hook2, id2), (end2, end_id2), (ret2, out2) = result["events"]
+    assert (hook1, end1, ret1, hook2, end2, ret2) == ("hook", "end", "returned") * 2
+    assert id1 != -1 and id2 != -1 and id1 != id2
+    assert (end_id1, end_id2) == (id1, id2) and out1 == out2 == -1
 
 
 def _sharded_comms_worker(rank: int, world_size: int) -> dict:

@@ -216,7 +216,7 @@ def gradients_read_only_after_backward(unit: FSDPModule, reduce_dtype: torch.dty
     if group is None or op != dist.ReduceOp.AVG or isinstance(group.mesh_info, HSDPMeshInfo):
         return False
     return all(
-        fsdp_param.sharded_param.grad is None and fsdp_param.orig_dtype == reduce_dtype
+        fsdp_param.sharded_param.grad is None and fsdp_param.sharded_param.dtype == reduce_dtype
         and not fsdp_param.offload_to_cpu
         and not getattr(fsdp_param.sharded_param, "_post_accumulate_grad_hooks", None)
         for fsdp_param in group.fsdp_params)
