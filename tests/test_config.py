@@ -70,7 +70,7 @@ FULL_CONFIG: dict[str, Any] = {
         "zeropp": {"block_size": 128, "weight_bits": 8, "grad_bits_intra": 8,
                    "grad_bits_inter": 4, "quantize_intra_node_weights": True,
                    "error_feedback": True, "grad_rotation": "hadamard", "grad_rounding": "stochastic",
-                   "grad_levels": "normal", "overlap": True},
+                   "grad_levels": "normal", "overlap": True, "hierarchical_gather": True},
     },
 }
 
@@ -148,6 +148,7 @@ def test_zeropp_every_field_rejects_a_string(name: str) -> None:
         ("grad_bits_inter", True, "2, 4 or 8"),
         ("low_bit_trainable_weights", 1, "a bool"),
         ("overlap", "yes", "a bool"),
+        ("hierarchical_gather", 1, "a bool"),
         ("param_dtype", torch.float64, "torch.bfloat16"),
         ("param_dtype", "bfloat16", "torch.bfloat16"),
         ("reduce_dtype", torch.int8, "torch.float32"),
@@ -175,6 +176,13 @@ def test_zeropp_accepts_powers_of_two(block_size: int) -> None:
 def test_zeropp_accepts_every_weight_width_for_frozen_weights(bits: int) -> None:
     config = ZeroPPConfig(quantized_nontrainable_weights=True, weight_bits=bits)
     assert config.weight_bits == bits and config.quantizes_weights
+
+
+def test_hierarchical_gather_needs_qwz() -> None:
+    with pytest.raises(ValueError, match=r"hierarchical_gather=true changes qwZ's weight gather, which is off.*"
+                                         r"zero_quantized_weights"):
+        ZeroPPConfig.from_deepspeed({"zero_optimization": {"stage": 3, "zeropp": {"hierarchical_gather": True}}})
+    assert ZeroPPConfig(quantized_nontrainable_weights=True, hierarchical_gather=True).hierarchical_gather
 
 
 def test_low_bit_trainable_weights_need_the_opt_in() -> None:
@@ -408,7 +416,7 @@ def test_full_config_reaches_every_field() -> None:
         quantized_weights=True, hpz_partition_size=8, quantized_gradients=True, block_size=128,
         weight_bits=8, grad_bits_intra=8, grad_bits_inter=4, quantize_intra_node_weights=True,
         error_feedback=True, grad_rotation="hadamard", grad_rounding="stochastic", grad_levels="normal",
-        overlap=True, param_dtype=torch.float16)
+        overlap=True, hierarchical_gather=True, param_dtype=torch.float16)
     assert parsed.zeropp.gradient_code == GradientCode(rotation="hadamard", rounding="stochastic", levels="normal")
     training = parsed.training
     assert training.resolve_batch(4) == (32, 4, 2)

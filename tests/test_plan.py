@@ -21,10 +21,10 @@ from zeropp.plan import calibrate, cost, emulated, recommend, scale, traffic
 from zeropp.plan import model as model_shape
 from zeropp.topology import Topology
 
-TRAFFIC_JOB = WorkerConfig(modes=BENCH_MODES, warmup_steps=0, steps=1, batch_size=12, context_length=18,
+TRAFFIC_JOB = WorkerConfig(modes=(*BENCH_MODES, "all_hier"), warmup_steps=0, steps=1, batch_size=12, context_length=18,
                            num_layers=2, embed_dim=48, num_heads=2)
-"""Six modes of a GPT whose dims 0 (84 characters, 18 positions) leave FSDP2 padding on six
-ranks; one step each."""
+"""The bench's six modes and qwZ's two-hop gather, on a GPT whose dims 0 (84 characters, 18
+positions) leave FSDP2 padding on six ranks; one step each."""
 
 
 def _traffic_job(rank: int, world_size: int, config: WorkerConfig) -> dict | None:
@@ -64,7 +64,7 @@ def test_bytes_equal_the_ledger_of_a_real_run() -> None:
     record, *_ = run_distributed(_traffic_job, world_size, config,
                                  env={"ZEROPP_RANKS_PER_NODE": str(ranks_per_node)}, timeout=300)
     topology = Topology(num_nodes=num_nodes, ranks_per_node=ranks_per_node)
-    for mode in BENCH_MODES:
+    for mode in config.modes:
         measured = _measured_rows(record["modes"][mode]["ledger_per_step"])
         predicted = _predicted_rows(mode, config, topology, vocab_size=84)
         assert predicted == measured, mode

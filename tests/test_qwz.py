@@ -81,6 +81,44 @@ def test_quantized_gather_equals_dequantized_shards_exactly() -> None:
             assert width == {"exact": True, "bytes": 3 * (quantized + 5 * 4)}, bits
 
 
+def _two_hop_worker(rank: int, world_size: int) -> dict:
+    topology = Topology.from_env()
+    groups = build_process_groups(topology)
+    world = groups.mesh.get_group()
+    layout = ([4 * 37, 4 * 5, 4 * 300], [True, False, True])
+    ring = QuantizedAllGather(topology, *layout, bits=8, block_size=32)
+    two_hop = QuantizedAllGather(topology, *layout, bits=8, block_size=32, two_hop=groups)
+    ledger = zeropp.comm_ledger()
+    result = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        _, ring_out, codec = _gather(ring, world, world_size, rank, dtype)
+        ledger.reset()
+        _, two_hop_out, _ = _gather(two_hop, world, world_size, rank, dtype)
+        summary = ledger.summary()["by_group"]
+        # the same gather asked for asynchronously: decoded (and its node hop run) on wait
+        mine = two_hop_out[rank * codec.numel:(rank + 1) * codec.numel].clone()
+        async_out = torch.full_like(two_hop_out, float("nan"))
+        async_out[rank * codec.numel:(rank + 1) * codec.numel] = mine
+        work = two_hop(async_out, async_out[rank * codec.numel:(rank + 1) * codec.numel], world, async_op=True)
+        work.wait()
+        result[str(dtype)] = {"equal": torch.equal(ring_out, two_hop_out),
+                              "async_equal": torch.equal(ring_out, async_out),
+                              "bytes": {kind: row["bytes"] for kind, row in summary.items()},
+                              "nbytes": codec.nbytes}
+    return result
+
+
+def test_two_hop_gather_equals_the_ring_with_half_the_cross_node_payload() -> None:
+    """``hierarchical_gather``: across nodes among one local index, then inside the node; the
+    output equals the ring's bit for bit (sync and async), and the ledger counts one chunk to
+    the other node and two chunks (one per node) to the node peer, where the ring counts three
+    chunks over the world."""
+    for r in run_distributed(_two_hop_worker, 4, env=TWO_BY_TWO):
+        for dtype, d in r.items():
+            assert d["equal"] and d["async_equal"], dtype
+            assert d["bytes"] == {"inter": d["nbytes"], "intra": 2 * d["nbytes"]}, dtype
+
+
 def _train_modes_worker(rank: int, world_size: int, steps: int) -> dict:
     zero3 = zeropp.ZeroPPConfig(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     qwz = zeropp.ZeroPPConfig(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, quantized_weights=True)

@@ -240,6 +240,8 @@ def _train_with_and_without_overlap(rank: int, world_size: int, options: dict) -
     {},
     pytest.param({"quantized_weights": True, "quantized_gradients": True, "hpz_partition_size": 2},
                  marks=pytest.mark.slow),
+    pytest.param({"quantized_weights": True, "quantized_gradients": True, "hpz_partition_size": 2,
+                  "hierarchical_gather": True}, marks=pytest.mark.slow),
 ])
 def test_overlap_trains_bit_identically(options: dict) -> None:
     """``overlap`` changes when comms run, not what they carry: parameters after three steps are

@@ -113,7 +113,8 @@ def _check_type_name(key: str, value: Any, names: Mapping[str, Any], any_case: b
 
 _ZEROPP_CHECKS: dict[str, Checker] = {
     **dict.fromkeys(("quantized_weights", "quantized_nontrainable_weights", "quantized_gradients",
-                     "quantize_intra_node_weights", "error_feedback", "low_bit_trainable_weights", "overlap"),
+                     "quantize_intra_node_weights", "error_feedback", "low_bit_trainable_weights", "overlap",
+                     "hierarchical_gather"),
                     _BOOL),
     "hpz_partition_size": _POSITIVE_INT,
     "block_size": _checker("a power of two from 8 to 65536",
@@ -173,6 +174,11 @@ class ZeroPPConfig:
     part finishes while the next unit's backward computes (at the latest when backward ends).
     Same bytes, same values; up to two more units held gathered and one reduce-scatter in
     flight. It pays where the link is slow; where the CPU sets the pace, its threads compete."""
+    hierarchical_gather: bool = False
+    """qwZ: gather over the world in two hops, across nodes among the ranks of one local index,
+    then inside the node: a node link carries (N - 1)/N of the payload instead of a ring's
+    (W - 1)/W (1/2 instead of 15/16 on 2 nodes of 8). Same values; one more collective per
+    gather (inside the node)."""
     param_dtype: torch.dtype | None = None
     """Dtype of compute and of the weight all-gathers (mixed precision); None keeps the model's."""
     reduce_dtype: torch.dtype | None = None
@@ -181,6 +187,10 @@ class ZeroPPConfig:
     def __post_init__(self) -> None:
         _check_fields(self, _ZEROPP_CHECKS)
         self._check_bits()
+        if self.hierarchical_gather and not self.quantizes_weights:
+            raise ValueError("hierarchical_gather=true changes qwZ's weight gather, which is off: set "
+                             "quantized_weights=true (DeepSpeed JSON: zero_optimization.zero_quantized_weights) "
+                             "or quantized_nontrainable_weights=true, or leave hierarchical_gather false")
 
     def _check_bits(self) -> None:
         """Each code width fits the block size, and 2- or 3-bit trainable weights are asked for."""
@@ -413,7 +423,7 @@ _DEEPSPEED_KEYS: dict[str, tuple[str, str]] = {
     **{f"zero_optimization.zeropp.{name}": ("zeropp", name) for name in (
         "block_size", "weight_bits", "grad_bits_intra", "grad_bits_inter",
         "quantize_intra_node_weights", "error_feedback", "low_bit_trainable_weights", "grad_rotation",
-        "grad_rounding", "grad_levels", "overlap")},
+        "grad_rounding", "grad_levels", "overlap", "hierarchical_gather")},
     "bf16.enabled": ("training", "bf16"),
     "fp16.enabled": ("training", "fp16"),
     **{f"fp16.{name}": ("training", name) for name in (

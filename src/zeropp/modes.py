@@ -92,6 +92,10 @@ MODES: dict[str, Mode] = {mode.name: mode for mode in (
          options={"overlap": True}),
     Mode(name="all_overlap", summary="all three, their gathers and qgZ's cross-node hop beside compute",
          options={**_ALL, "overlap": True}, hpz=True),
+    Mode(name="all_hier", summary="all three, qwZ gathering across nodes then inside them",
+         options={**_ALL, "hierarchical_gather": True}, hpz=True),
+    Mode(name="all_hier_overlap", summary="all_hier with overlap",
+         options={**_ALL, "hierarchical_gather": True, "overlap": True}, hpz=True),
 )}
 """Every mode by name. ``zero3`` is the baseline every comparison is made against."""
 

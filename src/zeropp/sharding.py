@@ -217,7 +217,7 @@ def _install_comms(module: FSDPModule, groups: ProcessGroups, config: ZeroPPConf
         all_gather = QuantizedAllGather(
             groups.topology, layout.padded_numels, quantized, bits=config.weight_bits,
             block_size=config.block_size, quantize_intra_node=config.quantize_intra_node_weights,
-            dtypes=layout.gather_dtypes)
+            dtypes=layout.gather_dtypes, two_hop=groups if config.hierarchical_gather else None)
     else:
         all_gather = CountingAllGather(groups.topology)
     if config.quantized_gradients:

@@ -51,6 +51,8 @@ def candidate_configs(ranks_per_node: int) -> list[tuple[str, ZeroPPConfig | Non
         configs.append(("all, qgZ INT8 intra-node",
                         ZeroPPConfig(**both, hpz_partition_size=node, grad_bits_intra=8), 2))
         configs.append(("all, 6-bit weights", ZeroPPConfig(**both, hpz_partition_size=node, weight_bits=6), 3))
+        configs.append(("all, two-hop weight gather",
+                        ZeroPPConfig(**both, hpz_partition_size=node, hierarchical_gather=True), 2))
     return configs
 
 
@@ -109,6 +111,9 @@ def _reason(choice: Candidate, fastest: Candidate, baseline: Candidate, machine:
         parts.append(f"{choice.config.weight_bits}-bit weights: measured within 1% of ZeRO-3 on the GPT (README, "
                      "accuracy); check on your model, or take the 8-bit candidate "
                      f"({_slowdown(choice, 'all (hpZ', fitting)})")
+    if choice.config is not None and choice.config.hierarchical_gather:
+        parts.append(f"hierarchical_gather: the weight gather crosses each node link once per chunk "
+                     f"({_slowdown(choice, 'all (hpZ', fitting)} with the ring)")
     if choice.config is not None and (choice.config.quantized_weights or choice.config.quantized_gradients):
         parts.append(f"block size {choice.config.block_size}: its fp32 scales add {4 / choice.config.block_size:.1%} "
                      "of a byte per element; larger blocks save little of that and widen the error bound")

@@ -112,10 +112,20 @@ def _gathers(unit: UnitShape, padded: list[int], config: ZeroPPConfig, topology:
         world_gather = _quantized_gather(padded, quantized, world, config, precision)
     else:
         world_gather = _Payload(sum(padded) // world * itemsize, "fsdp", _dtype_name(precision.gather_dtype))
-    forward = world_gather.gather(GroupKind.WORLD, world, "forward")
+    nodes, per_node = topology.num_nodes, topology.ranks_per_node
+    if any(quantized) and config.hierarchical_gather and nodes > 1 and per_node > 1:
+        # qwZ's two hops ([Note: two-hop gather]): the chunk to every node, then the node's
+        # chunks to the node's ranks; the codec work is booked on the first
+        across = world_gather.gather(GroupKind.INTER, nodes, "")
+        inside = _Payload(nodes * world_gather.bytes_per_peer, "qwZ", world_gather.dtype).gather(
+            GroupKind.INTRA, per_node, "")
+        world_hops = [across, inside]
+    else:
+        world_hops = [world_gather.gather(GroupKind.WORLD, world, "")]
+    forward = [replace(t, phase="forward") for t in world_hops]
     hpz = config.hpz_partition_size
     if hpz <= 1:
-        return [forward, replace(forward, phase="backward")]
+        return [*forward, *(replace(t, phase="backward") for t in world_hops)]
     if any(quantized) and config.quantize_intra_node_weights:
         node_gather = _quantized_gather(padded, quantized, hpz, config, precision)
     else:
@@ -123,7 +133,7 @@ def _gathers(unit: UnitShape, padded: list[int], config: ZeroPPConfig, topology:
         node_gather = _Payload(sum(padded) // hpz * itemsize, "hpZ" if any(quantized) else "fsdp",
                                _dtype_name(precision.gather_dtype))
     kind = GroupKind.WORLD if hpz == world else GroupKind.INTRA
-    return [forward, node_gather.gather(kind, hpz, "backward")]
+    return [*forward, node_gather.gather(kind, hpz, "backward")]
 
 
 def _quantized_gather(padded: list[int], quantized: list[bool], group_size: int, config: ZeroPPConfig,
