@@ -1,8 +1,8 @@
 """The one module that touches private state of the libraries zeropp builds on: FSDP2's
-parameter groups and comm interfaces, c10d's group registry, autograd's graph task and
-end-of-backward callbacks, three DCP
-helpers (nested-dict assignment, the metadata-driven load planner, loading without a process
-group), and accelerate's mark of a model it has already prepared.
+parameter groups, comm interfaces and asynchronous gathers, c10d's group registry, autograd's
+graph task and end-of-backward callbacks, three DCP helpers (nested-dict assignment, the
+metadata-driven load planner, loading without a process group), and accelerate's mark of a model
+it has already prepared.
 
 FSDP2's public surface (``fully_shard``, ``FSDPModule.set_custom_all_gather`` and friends) does
 not say how a unit lays out its flat buffers, which mesh its post-forward reshard uses, or which
