@@ -37,7 +37,7 @@ class Block(nn.Module):
         return self.linear(x) + self.frozen.sum()
 
 
-def _layout_worker(rank: int, world_size: int, reshard: bool | int) -> dict:
+def _layout(reshard: bool | int) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(Block(), nn.Linear(5, 1))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32)
@@ -52,26 +52,7 @@ def _layout_worker(rank: int, world_size: int, reshard: bool | int) -> dict:
             "in_backward": (in_backward(), seen_in_backward)}
 
 
-@pytest.mark.parametrize("reshard,post_forward", [(True, 4), (2, 2)])
-def test_unit_layout_reads_fsdp2_flat_buffer_order(reshard: bool | int, post_forward: int) -> None:
-    """Padded numels (dim 0 to a multiple of 4 ranks, times the other dims), trainable flags,
-    the gather dtype's item size (the unit's mixed-precision bf16, else fp32), and the
-    post-forward group (hpZ's size when ``reshard_after_forward`` is an int)."""
-    result = run_distributed(_layout_worker, 4, reshard)[0]
-    block, root = result["block"], result["root"]
-    assert block.padded_numels == [8 * 6, 8, 4 * 2]  # linear.weight, linear.bias, frozen
-    assert block.trainable == [True, True, False]
-    assert block.gather_dtypes == [torch.bfloat16] * 3
-    assert block.names == ["linear.weight", "linear.bias", "frozen"]
-    assert block.shapes == [(5, 6), (5,), (3, 2)]
-    assert (block.shard_group_size, block.post_forward_group_size) == (4, post_forward)
-    assert root.padded_numels == [4 * 5, 4] and root.gather_dtypes == [torch.float32] * 2
-    assert root.names == ["1.weight", "1.bias"]
-    assert result["units"] == 2
-    assert result["in_backward"] == (False, [True])
-
-
-def _read_after_backward_worker(rank: int, world_size: int) -> dict:
+def _read_after_backward() -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(Block(), nn.Linear(5, 1))
     fully_shard(model[0])
@@ -97,11 +78,42 @@ def _read_after_backward_worker(rank: int, world_size: int) -> dict:
     return result
 
 
-def test_gradients_read_only_after_backward_and_backward_callbacks() -> None:
+def _fsdp_state_worker(rank: int, world_size: int) -> dict:
+    """What the tests of this file read from a process group, from one set of processes (two
+    nodes of two ranks): spawning costs more than the checks."""
+    return {"layouts": {reshard: _layout(reshard) for reshard in (True, 2)},
+            "read_after_backward": _read_after_backward(), "sharded_comms": _sharded_comms()}
+
+
+@pytest.fixture(scope="module")
+def fsdp_state() -> dict:
+    return run_distributed(_fsdp_state_worker, 4, env=TWO_BY_TWO)[0]
+
+
+@pytest.mark.parametrize("reshard,post_forward", [(True, 4), (2, 2)])
+def test_unit_layout_reads_fsdp2_flat_buffer_order(fsdp_state: dict, reshard: bool | int, post_forward: int) -> None:
+    """Padded numels (dim 0 to a multiple of 4 ranks, times the other dims), trainable flags,
+    the gather dtype's item size (the unit's mixed-precision bf16, else fp32), and the
+    post-forward group (hpZ's size when ``reshard_after_forward`` is an int)."""
+    result = fsdp_state["layouts"][reshard]
+    block, root = result["block"], result["root"]
+    assert block.padded_numels == [8 * 6, 8, 4 * 2]  # linear.weight, linear.bias, frozen
+    assert block.trainable == [True, True, False]
+    assert block.gather_dtypes == [torch.bfloat16] * 3
+    assert block.names == ["linear.weight", "linear.bias", "frozen"]
+    assert block.shapes == [(5, 6), (5,), (3, 2)]
+    assert (block.shard_group_size, block.post_forward_group_size) == (4, post_forward)
+    assert root.padded_numels == [4 * 5, 4] and root.gather_dtypes == [torch.float32] * 2
+    assert root.names == ["1.weight", "1.bias"]
+    assert result["units"] == 2
+    assert result["in_backward"] == (False, [True])
+
+
+def test_gradients_read_only_after_backward_and_backward_callbacks(fsdp_state: dict) -> None:
     """A unit's reduce-scatter output may be written late only with AVG, the parameters' own
     dtype, no gradient to accumulate into and no post-accumulate-grad hook; each backward has
     its own id, and a callback queued inside backward runs before ``backward()`` returns."""
-    result = run_distributed(_read_after_backward_worker, 2)[0]
+    result = fsdp_state["read_after_backward"]
     assert (result["fresh"], result["sum"], result["bf16"]) == (True, False, False)
     assert (result["with_grads"], result["zeroed"], result["hooked"]) == (False, True, False)
     (hook1, id1), (end1, end_id1), (ret1, out1), (hook2, id2), (end2, end_id2), (ret2, out2) = result["events"]
@@ -110,7 +122,7 @@ def test_gradients_read_only_after_backward_and_backward_callbacks() -> None:
     assert (end_id1, end_id2) == (id1, id2) and out1 == out2 == -1
 
 
-def _sharded_comms_worker(rank: int, world_size: int) -> dict:
+def _sharded_comms() -> dict:
     from zeropp.comms import CountingAllGather, CountingReduceScatter
     from zeropp.qgz import HierarchicalQuantizedReduceScatter
     from zeropp.qwz import QuantizedAllGather
@@ -132,11 +144,11 @@ def _sharded_comms_worker(rank: int, world_size: int) -> dict:
     }
 
 
-def test_shard_records_the_comms_it_installs() -> None:
+def test_shard_records_the_comms_it_installs(fsdp_state: dict) -> None:
     """Three units and the root each get one all-gather and one reduce-scatter comm (the root owns
     no parameter, so nothing to quantize: its all-gather is the counted plain one); the engine
     reaches qgZ's through this handle, not through FSDP2's fields."""
-    result = run_distributed(_sharded_comms_worker, 4, env=TWO_BY_TWO)[0]
+    result = fsdp_state["sharded_comms"]
     assert result["all_gathers"] == [False, True, True, True] and result["reduce_scatters"] == [True] * 4
     assert result["qgz"] == 4
     assert result["plain"] == ([True] * 3, [True] * 3, [])  # the root and its 2 units
