@@ -41,6 +41,12 @@ def quantized_parameters(layout: UnitLayout, weights: bool, nontrainable_weights
     return flags
 
 
+def has_two_hops(topology: Topology) -> bool:
+    """Whether a world gather with ``hierarchical_gather`` takes two hops: there are several
+    nodes, and several ranks in each ([Note: two-hop gather]); otherwise it is the ring."""
+    return topology.num_nodes > 1 and topology.ranks_per_node > 1
+
+
 class QuantizedAllGather(RecordedComm, AllGather):
     """qwZ's all-gather of one unit.
 
@@ -97,9 +103,7 @@ class QuantizedAllGather(RecordedComm, AllGather):
                                f"unit's parameters make chunks of {codec.numel} on {info.size} ranks")
         send = torch.empty((1, codec.nbytes), dtype=torch.uint8, device=input_tensor.device)
         codec.encode(input_tensor.view(1, -1), send)
-        topology = self.topology
-        if (self.two_hop is not None and info.size == topology.world_size
-                and topology.num_nodes > 1 and topology.ranks_per_node > 1):
+        if self.two_hop is not None and info.size == self.topology.world_size and has_two_hops(self.topology):
             return self._gather_in_two_hops(send, codec, output_tensor, async_op)
         received = torch.empty((info.size, codec.nbytes), dtype=torch.uint8, device=input_tensor.device)
         work = all_gather(received.view(-1), send.view(-1), group, self.recorder, self.technique,

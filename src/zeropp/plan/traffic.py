@@ -34,6 +34,7 @@ from zeropp.codec import payload_bytes, segments_for
 from zeropp.config import ZeroPPConfig
 from zeropp.ledger import COUNTS, GroupKind, Op
 from zeropp.plan.model import ModelShape, UnitShape
+from zeropp.qwz import has_two_hops
 from zeropp.topology import Topology
 
 
@@ -113,7 +114,7 @@ def _gathers(unit: UnitShape, padded: list[int], config: ZeroPPConfig, topology:
     else:
         world_gather = _Payload(sum(padded) // world * itemsize, "fsdp", _dtype_name(precision.gather_dtype))
     nodes, per_node = topology.num_nodes, topology.ranks_per_node
-    if any(quantized) and config.hierarchical_gather and nodes > 1 and per_node > 1:
+    if any(quantized) and config.hierarchical_gather and has_two_hops(topology):
         # qwZ's two hops ([Note: two-hop gather]): the chunk to every node, then the node's
         # chunks to the node's ranks; the codec work is booked on the first
         across = world_gather.gather(GroupKind.INTER, nodes, "")
