@@ -67,7 +67,8 @@ FULL_CONFIG: dict[str, Any] = {
         "overlap_comm": True,
         "contiguous_gradients": True,
         "reduce_scatter": True,
-        "zeropp": {"block_size": 128, "weight_bits": 8, "grad_bits_intra": 8,
+        "zeropp": {"block_size": 128, "weight_bits": 8, "weight_code": "asymmetric",
+                   "unquantized_parameters": ["*embed_tokens*", "lm_head.*"], "grad_bits_intra": 8,
                    "grad_bits_inter": 4, "quantize_intra_node_weights": True,
                    "error_feedback": True, "grad_rotation": "hadamard", "grad_rounding": "stochastic",
                    "grad_levels": "normal", "overlap": True, "hierarchical_gather": True},
@@ -149,6 +150,9 @@ def test_zeropp_every_field_rejects_a_string(name: str) -> None:
         ("low_bit_trainable_weights", 1, "a bool"),
         ("overlap", "yes", "a bool"),
         ("hierarchical_gather", 1, "a bool"),
+        ("weight_code", "q4_1", "'symmetric' or 'asymmetric'"),
+        ("unquantized_parameters", "*embed*", "a list of parameter-name patterns"),
+        ("unquantized_parameters", ["ok", 3], "a list of parameter-name patterns"),
         ("param_dtype", torch.float64, "torch.bfloat16"),
         ("param_dtype", "bfloat16", "torch.bfloat16"),
         ("reduce_dtype", torch.int8, "torch.float32"),
@@ -414,7 +418,8 @@ def test_full_config_reaches_every_field() -> None:
     parsed = parse_deepspeed(FULL_CONFIG)
     assert parsed.zeropp == ZeroPPConfig(
         quantized_weights=True, hpz_partition_size=8, quantized_gradients=True, block_size=128,
-        weight_bits=8, grad_bits_intra=8, grad_bits_inter=4, quantize_intra_node_weights=True,
+        weight_bits=8, weight_code="asymmetric", unquantized_parameters=("*embed_tokens*", "lm_head.*"),
+        grad_bits_intra=8, grad_bits_inter=4, quantize_intra_node_weights=True,
         error_feedback=True, grad_rotation="hadamard", grad_rounding="stochastic", grad_levels="normal",
         overlap=True, hierarchical_gather=True, param_dtype=torch.float16)
     assert parsed.zeropp.gradient_code == GradientCode(rotation="hadamard", rounding="stochastic", levels="normal")
@@ -492,6 +497,7 @@ def test_bf16_and_fp16_together_are_an_error() -> None:
         ("zero_optimization.zeropp.grad_rotation", "fwht", "'none' or 'hadamard'"),
         ("zero_optimization.zeropp.grad_rounding", True, "'nearest' or 'stochastic'"),
         ("zero_optimization.zeropp.grad_levels", "nf4", "'uniform' or 'normal'"),
+        ("zero_optimization.zeropp.weight_code", "minmax", "'symmetric' or 'asymmetric'"),
         ("zero_optimization.zeropp.blocksize", 64, "accepts only block_size, weight_bits"),
         ("bf16", True, "a JSON object"),
         ("bf16.enabled", "true", "a bool"),

@@ -133,7 +133,16 @@ def _sharded_comms() -> dict:
     plain = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)))
     zeropp.shard(plain)
     stranger = nn.Linear(2, 2)
+    kept = nn.Sequential(nn.Sequential(*(nn.Linear(8, 8) for _ in range(3))))
+    zeropp.shard(kept, zeropp.ZeroPPConfig(quantized_weights=True, unquantized_parameters=["0.1.*", "*.2.bias"]))
+    try:
+        zeropp.shard(nn.Sequential(nn.Linear(8, 8)), zeropp.ZeroPPConfig(unquantized_parameters=("*embed*",)))
+        typo = "no error"
+    except ValueError as error:
+        typo = str(error)
     return {
+        "unquantized": [getattr(comm, "quantized", "plain") for comm in zeropp.sharded_comms(kept).all_gathers[1:]],
+        "typo": typo,
         "all_gathers": [type(c) is QuantizedAllGather for c in installed.all_gathers],
         "qgz": len(installed.qgz),
         "reduce_scatters": [type(c) is HierarchicalQuantizedReduceScatter for c in installed.reduce_scatters],
@@ -153,6 +162,15 @@ def test_shard_records_the_comms_it_installs(fsdp_state: dict) -> None:
     assert result["qgz"] == 4
     assert result["plain"] == ([True] * 3, [True] * 3, [])  # the root and its 2 units
     assert result["stranger"] == ([], [])
+
+
+def test_unquantized_parameters_are_named_as_in_the_model(fsdp_state: dict) -> None:
+    """Patterns match the model's own parameter names (a unit's prefix included): unit 1's
+    weight and bias (the whole unit: FSDP2's plain gather) and unit 2's bias travel unquantized;
+    a pattern matching nothing is refused."""
+    result = fsdp_state["sharded_comms"]
+    assert result["unquantized"] == [[True, True], "plain", [True, False]]
+    assert "pattern '*embed*' matches no parameter of Sequential" in result["typo"]
 
 
 def test_every_mode_has_one_name_and_a_config() -> None:

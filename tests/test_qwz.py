@@ -60,7 +60,20 @@ def _quantized_gather_worker(rank: int, world_size: int) -> dict:
         shards, out, codec = _gather(comm, world, world_size, rank, torch.float32)
         widths[bits] = {"exact": torch.equal(out, torch.cat([_expected(shard, codec) for shard in shards])),
                         "bytes": ledger.summary()["by_group"]["world"]["bytes"]}
-    return {"exact": exact, "world_bytes": world_bytes, "widths": widths,
+    # the asymmetric code: every rank decodes what the codec makes of each rank's shard on its own
+    comm = QuantizedAllGather(topology, [4 * 37, 4 * 5, 4 * 300], [True, False, True], bits=4, block_size=32,
+                              asymmetric=True)
+    ledger.reset()
+    shards, out, codec = _gather(comm, world, world_size, rank, torch.bfloat16)
+    alone = []
+    for shard in shards:
+        packed = torch.empty((1, codec.nbytes), dtype=torch.uint8)
+        codec.encode(shard.view(1, -1), packed)
+        alone.append(torch.empty_like(shard).view(1, -1))
+        codec.decode(packed, alone[-1])
+    asymmetric = {"exact": torch.equal(out, torch.cat(alone).view(-1)),
+                  "bytes": ledger.summary()["by_group"]["world"]["bytes"]}
+    return {"exact": exact, "world_bytes": world_bytes, "widths": widths, "asymmetric": asymmetric,
             "expected_world_bytes": 3 * (nbytes_fp32 + 2 * nbytes_16),
             "intra_exact": intra_exact, "intra_quantized": intra_quantized,
             "intra_kinds": intra_kinds}
@@ -89,6 +102,9 @@ def test_quantized_gather_equals_dequantized_shards_exactly(gathers: list[dict])
             # scale per block of 32; the raw fp32 slice of 5 elements; sent to 3 peers
             quantized = sum(-(-n * bits // 32) * 4 + 4 * -(-n // 32) for n in (37, 300))
             assert width == {"exact": True, "bytes": 3 * (quantized + 5 * 4)}, bits
+        # asymmetric, 4 bits: 8 bytes (scale and center) per block of 32; the raw slice in bf16
+        quantized = sum(-(-n * 4 // 32) * 4 + 8 * -(-n // 32) for n in (37, 300))
+        assert r["asymmetric"] == {"exact": True, "bytes": 3 * (quantized + 12)}
 
 
 def _two_hop_worker(rank: int, world_size: int) -> dict:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from zeropp import gradcode, quant
+from zeropp import gradcode, quant, weightcode
 from zeropp.gradcode import GradientCode
 from zeropp.quant import dequantize_rows, packed_numel, quantize_rows
 
@@ -42,6 +42,14 @@ class Segment:
     """Quantization bits, or None to send the slice in its own dtype."""
     dtype: torch.dtype | None = None
     """The slice's dtype; needed when the chunk is a byte buffer (see [Note: mixed-dtype units])."""
+    asymmetric: bool = False
+    """Coded with ``zeropp.weightcode``'s asymmetric code (a scale and a center per block)
+    instead of ``quant``'s symmetric one."""
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes per block beside the codes."""
+        return weightcode.PARAM_BYTES if self.asymmetric else _SCALE_BYTES
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -53,7 +61,8 @@ class ChunkCodec:
 
     ``dtype`` is the chunks' dtype; ``torch.uint8`` with segments of other dtypes is byte mode
     ([Note: mixed-dtype units]), where ``numel`` counts bytes. ``code``: qgZ's lower-error block
-    code options (``zeropp.gradcode``), coded in one pass; None or plain is ``quant``'s code."""
+    code options (``zeropp.gradcode``), coded in one pass; None or plain is ``quant``'s code.
+    Segments with ``asymmetric`` are coded in one pass too, with ``zeropp.weightcode``."""
 
     def __init__(self, segments: Sequence[Segment], block_size: int, dtype: torch.dtype,
                  code: GradientCode | None = None) -> None:
@@ -75,9 +84,14 @@ class ChunkCodec:
         self.numel = input_offset
         self.nbytes = byte_offset
         self._plan = _OnePassPlan(self) if _one_pass_applies(self) else None
-        if self.code is not None and (self._plan is None or self._plan.has_raw):
-            raise ValueError(f"the gradient code {self.code} needs a chunk of quantized segments of one width "
-                             f"and one float dtype; got segments {self.segments} in {dtype}")
+        if self.code is not None and (self._plan is None or self._plan.has_raw or self._plan.asymmetric):
+            raise ValueError(f"the gradient code {self.code} needs a chunk of symmetric quantized segments of one "
+                             f"width and one float dtype; got segments {self.segments} in {dtype}")
+        if self._plan is None and any(s.asymmetric for s in self.segments):
+            raise ValueError("the asymmetric weight code needs a chunk of one float dtype (not a unit FSDP2 "
+                             "gathers as bytes because its parameters mix dtypes: set a MixedPrecisionPolicy "
+                             "param_dtype / ZeroPPConfig param_dtype) whose quantized segments share one width; "
+                             f"got segments {self.segments} in {dtype}")
 
     @property
     def is_quantized(self) -> bool:
@@ -88,8 +102,8 @@ class ChunkCodec:
         not apply: the layout does not allow it, the Triton kernels are chosen, or raw segments
         would be read or written in a dtype other than the codec's."""
         plan = self._plan
-        if self.code is not None:
-            return plan  # the options exist in the one-pass torch code only
+        if self.code is not None or (plan is not None and plan.asymmetric):
+            return plan  # these codes exist in the one-pass torch code only
         if plan is None or quant._use_triton(data.device, plan.bits) or (plan.has_raw and data.dtype != self.dtype):
             return None
         return plan
@@ -142,7 +156,8 @@ def segment_bytes(segment: Segment, block_size: int, dtype: torch.dtype, byte_mo
     slice itself in its dtype (``dtype``, the chunk's, unless in byte mode)."""
     if segment.bits is None:
         return segment.numel * (segment.dtype if byte_mode else dtype).itemsize
-    return packed_numel(segment.numel, segment.bits, block_size)
+    extra_per_block = segment.param_bytes - _SCALE_BYTES
+    return packed_numel(segment.numel, segment.bits, block_size) + extra_per_block * -(-segment.numel // block_size)
 
 
 def payload_bytes(segments: Sequence[Segment], block_size: int, dtype: torch.dtype) -> int:
@@ -153,9 +168,11 @@ def payload_bytes(segments: Sequence[Segment], block_size: int, dtype: torch.dty
 
 
 def segments_for(padded_numels: Sequence[int], quantize: Sequence[bool], group_size: int,
-                 bits: int, dtypes: Sequence[torch.dtype | None] | None = None) -> list[Segment]:
+                 bits: int, dtypes: Sequence[torch.dtype | None] | None = None,
+                 asymmetric: bool = False) -> list[Segment]:
     """Each parameter's slice of one chunk when its padded numel is split over ``group_size``;
-    ``dtypes``: each parameter's gather dtype (for units that mix dtypes)."""
+    ``dtypes``: each parameter's gather dtype (for units that mix dtypes); ``asymmetric``: the
+    quantized slices take ``zeropp.weightcode``'s code."""
     dtypes = dtypes if dtypes is not None else [None] * len(padded_numels)
     segments = []
     for numel, quantized, dtype in zip(padded_numels, quantize, dtypes, strict=True):
@@ -163,13 +180,14 @@ def segments_for(padded_numels: Sequence[int], quantize: Sequence[bool], group_s
             raise ValueError(f"a parameter's padded numel {numel} is not divisible by the group "
                              f"size {group_size}; FSDP2 pads dim 0 to the world size, so the group "
                              "must divide the world size")
-        segments.append(Segment(numel // group_size, bits if quantized else None, dtype))
+        segments.append(Segment(numel // group_size, bits if quantized else None, dtype, quantized and asymmetric))
     return segments
 
 
 def _one_pass_applies(codec: ChunkCodec) -> bool:
-    """Whether ``codec`` can be coded in one pass: one dtype (no byte mode) and one code width."""
-    widths = {s.bits for s in codec.segments if s.bits is not None and s.numel}
+    """Whether ``codec`` can be coded in one pass: one dtype (no byte mode) and one code (width
+    and symmetry)."""
+    widths = {(s.bits, s.asymmetric) for s in codec.segments if s.bits is not None and s.numel}
     return not codec.byte_mode and len(widths) == 1 and codec.dtype in quant.INPUT_DTYPES
 
 
@@ -211,7 +229,8 @@ class _OnePassPlan:
     def __init__(self, codec: ChunkCodec) -> None:
         block_size, itemsize = codec.block_size, codec.dtype.itemsize
         self.codec, self.block_size = codec, block_size
-        self.bits = next(s.bits for s in codec.segments if s.bits is not None and s.numel)
+        first = next(s for s in codec.segments if s.bits is not None and s.numel)
+        self.bits, self.asymmetric, param_bytes = first.bits, first.asymmetric, first.param_bytes
         code_bytes_per_block = block_size * self.bits // 8
         # splits of each source (lists of piece sizes along dim 1) ...
         lengths, pads, codes, scales, chunk_bytes, zero_bytes = [], [], [], [], [], []
@@ -232,15 +251,15 @@ class _OnePassPlan:
                 continue
             num_blocks = -(-length // block_size)
             whole += [True] * (length // block_size) + [False] * (num_blocks - length // block_size)
-            data_bytes = nbytes - num_blocks * _SCALE_BYTES
+            data_bytes = nbytes - num_blocks * param_bytes
             to_blocks += [(0, len(lengths) - 1), (1, len(pads))]
             pads.append(num_blocks * block_size - length)
             to_payload += [(0, len(codes)), (1, len(scales))]
             codes += [data_bytes, num_blocks * code_bytes_per_block - data_bytes]
-            scales.append(num_blocks * _SCALE_BYTES)
+            scales.append(num_blocks * param_bytes)
             to_codes += [(0, len(payload)), (1, len(junk))]
             to_scales.append((0, len(payload) + 1))
-            payload += [data_bytes, num_blocks * _SCALE_BYTES]
+            payload += [data_bytes, num_blocks * param_bytes]
             junk.append(num_blocks * code_bytes_per_block - data_bytes)
             payload_elements.append(nbytes // itemsize)
             to_out.append((0, len(values)))
@@ -265,8 +284,12 @@ class _OnePassPlan:
 
     def _scales_and_codes(self, blocks: Tensor, fresh: bool,
                           generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
-        """The block code of (num_blocks, B) fp32 blocks: quant's, or the codec's gradient code."""
+        """The block code of (num_blocks, B) fp32 blocks: quant's, weightcode's (scales are then
+        (num_blocks, 2) pairs), or the codec's gradient code."""
         code = self.codec.code
+        if self.asymmetric:
+            params = weightcode.block_params(blocks, self.bits)
+            return params, weightcode.block_codes(blocks, params, self.bits)
         if code is None:
             scales = quant._block_scales(blocks, self.bits)
             return scales, quant._block_codes(blocks, scales, overwrite=fresh)
@@ -276,8 +299,11 @@ class _OnePassPlan:
         return scales, gradcode.block_codes(blocks, scales, self.bits, code, generator)
 
     def _values(self, codes: Tensor, scales: Tensor) -> Tensor:
-        """Decoded fp32 blocks (num_blocks, B) from codes (num_blocks, B) and scales (num_blocks,)."""
+        """Decoded fp32 blocks (num_blocks, B) from codes (num_blocks, B) and scales (num_blocks,)
+        or, for the asymmetric code, (scale, center) pairs (num_blocks, 2)."""
         code = self.codec.code
+        if self.asymmetric:
+            return weightcode.block_values(codes, scales.view(-1, 2))
         if code is None:
             return codes.mul_(scales[:, None])
         values = gradcode.block_values(codes, scales, self.bits, code)

@@ -22,6 +22,7 @@ import torch
 
 from zeropp.gradcode import LEVELS, ROTATIONS, ROUNDINGS, GradientCode
 from zeropp.quant import min_block_size
+from zeropp.weightcode import CODES as WEIGHT_CODES
 
 logger = logging.getLogger("zeropp")
 
@@ -75,6 +76,9 @@ _GRAD_BITS = _checker("2, 4 or 8", lambda v: _is_int(v) and v in (2, 4, 8))
 _GRAD_ROTATION = _checker(" or ".join(map(repr, ROTATIONS)), lambda v: v in ROTATIONS)
 _GRAD_ROUNDING = _checker(" or ".join(map(repr, ROUNDINGS)), lambda v: v in ROUNDINGS)
 _GRAD_LEVELS = _checker(" or ".join(map(repr, LEVELS)), lambda v: v in LEVELS)
+_PATTERNS = _checker("a list of parameter-name patterns (strings, fnmatch style)",
+                     lambda v: isinstance(v, (list, tuple)) and all(isinstance(p, str) and p for p in v), tuple)
+_WEIGHT_CODE = _checker(" or ".join(map(repr, WEIGHT_CODES)), lambda v: v in WEIGHT_CODES)
 _SECTION = _checker("a JSON object {...}", lambda v: isinstance(v, dict))
 _DTYPE = _checker(
     "None (keep the model's dtype), torch.float32, torch.bfloat16 or torch.float16",
@@ -120,6 +124,8 @@ _ZEROPP_CHECKS: dict[str, Checker] = {
     "block_size": _checker("a power of two from 8 to 65536",
                            lambda v: _is_int(v) and 8 <= v <= 65536 and v & (v - 1) == 0),
     "weight_bits": _WEIGHT_BITS,
+    "weight_code": _WEIGHT_CODE,
+    "unquantized_parameters": _PATTERNS,
     **dict.fromkeys(("grad_bits_intra", "grad_bits_inter"), _GRAD_BITS),
     "grad_rotation": _GRAD_ROTATION,
     "grad_rounding": _GRAD_ROUNDING,
@@ -146,6 +152,16 @@ class ZeroPPConfig:
     """Bits per weight element in the qwZ all-gather: 2 to 8. The ZeRO++ paper pretrains with 8
     or 6 and fine-tunes frozen weights with 4 or 2; below 4 on trainable weights needs
     ``low_bit_trainable_weights``. ``block_size * weight_bits`` must be a multiple of 32."""
+    weight_code: str = "symmetric"
+    """qwZ's block code: "symmetric" (levels on [-absmax, absmax], one fp32 scale per block) or
+    "asymmetric" (all 2**weight_bits levels from the block's minimum to its maximum, an fp32
+    scale and center per block; at 4 bits and block_size 32, llama.cpp's Q4_1 levels, so a
+    frozen base read from a Q4_1 file travels without loss). See zeropp.weightcode."""
+    unquantized_parameters: tuple[str, ...] = ()
+    """fnmatch patterns of parameter names (as ``model.named_parameters()`` spells them) that qwZ
+    gathers in their own precision where it would quantize them, e.g. ``("*embed_tokens*",)``:
+    QLoRA's convention of a 4-bit base whose embedding and output head stay in 16 bits. The
+    cost model (``zeropp plan``) prices every parameter as quantized."""
     low_bit_trainable_weights: bool = False
     """Allow ``weight_bits`` below 4 with ``quantized_weights`` (which quantizes the weights being
     trained, not only frozen ones): an explicit opt-in, since 2 bits leave three levels per block."""
@@ -421,7 +437,7 @@ _DEEPSPEED_KEYS: dict[str, tuple[str, str]] = {
     "zero_optimization.zero_hpz_partition_size": ("zeropp", "hpz_partition_size"),
     "zero_optimization.zero_quantized_gradients": ("zeropp", "quantized_gradients"),
     **{f"zero_optimization.zeropp.{name}": ("zeropp", name) for name in (
-        "block_size", "weight_bits", "grad_bits_intra", "grad_bits_inter",
+        "block_size", "weight_bits", "weight_code", "unquantized_parameters", "grad_bits_intra", "grad_bits_inter",
         "quantize_intra_node_weights", "error_feedback", "low_bit_trainable_weights", "grad_rotation",
         "grad_rounding", "grad_levels", "overlap", "hierarchical_gather")},
     "bf16.enabled": ("training", "bf16"),

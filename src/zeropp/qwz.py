@@ -10,6 +10,7 @@ intra-node group (hpZ's backward gather) the chunk travels in full precision unl
 from __future__ import annotations
 
 import datetime
+import fnmatch
 import functools
 from collections.abc import Callable
 
@@ -25,13 +26,16 @@ from zeropp.topology import ProcessGroups, Topology
 QUANTIZABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def quantized_parameters(layout: UnitLayout, weights: bool, nontrainable_weights: bool) -> list[bool]:
+def quantized_parameters(layout: UnitLayout, weights: bool, nontrainable_weights: bool,
+                         unquantized: tuple[str, ...] = (), prefix: str = "") -> list[bool]:
     """Which of a unit's parameters qwZ quantizes: every floating-point one (``weights``) or the
-    frozen ones (``nontrainable_weights``). Integer and bool parameters travel as they are; a
+    frozen ones (``nontrainable_weights``), except those whose name (``prefix`` + the name in the
+    unit) matches a pattern of ``unquantized``. Integer and bool parameters travel as they are; a
     floating-point dtype the codec does not take is refused, naming the parameter."""
     flags = []
     for name, shape, dtype, trainable in zip(layout.names, layout.shapes, layout.gather_dtypes, layout.trainable):
         wanted = weights or (nontrainable_weights and not trainable)
+        wanted = wanted and not any(fnmatch.fnmatchcase(prefix + name, pattern) for pattern in unquantized)
         if wanted and dtype.is_floating_point and dtype not in QUANTIZABLE_DTYPES:
             raise ValueError(
                 f"qwZ cannot quantize parameter {name!r} (shape {tuple(shape)}, {dtype}): the codec takes "
@@ -53,6 +57,7 @@ class QuantizedAllGather(RecordedComm, AllGather):
     Each parameter's slice is quantized on its own (a scale never spans two tensors).
     ``quantized`` says which parameters are (all of them for qwZ; the frozen ones for quantized
     non-trainable weights); the others travel in their own precision inside the same payload.
+    ``asymmetric`` codes them with ``zeropp.weightcode`` instead of ``quant``'s symmetric code.
     ``dtypes`` are the parameters' gather dtypes: a unit that mixes them is gathered by FSDP2 as
     bytes, and coded per parameter in its own dtype ([Note: mixed-dtype units]). With
     ``two_hop`` (the process groups) a gather over the world runs in two hops ([Note: two-hop
@@ -74,13 +79,13 @@ class QuantizedAllGather(RecordedComm, AllGather):
     technique = "qwZ"
 
     def __init__(self, topology: Topology, padded_numels: list[int], quantized: list[bool], *,
-                 bits: int, block_size: int, quantize_intra_node: bool = False,
+                 bits: int, block_size: int, asymmetric: bool = False, quantize_intra_node: bool = False,
                  dtypes: list[torch.dtype] | None = None, two_hop: ProcessGroups | None = None,
                  ledger: CommLedger | None = None) -> None:
         super().__init__(topology, ledger)
         self.two_hop = two_hop
         self.padded_numels, self.quantized, self.dtypes = padded_numels, quantized, dtypes
-        self.bits, self.block_size = bits, block_size
+        self.bits, self.block_size, self.asymmetric = bits, block_size, asymmetric
         self.quantize_intra_node = quantize_intra_node
         self._codecs: dict[tuple[int, torch.dtype], ChunkCodec] = {}
 
@@ -88,7 +93,8 @@ class QuantizedAllGather(RecordedComm, AllGather):
         """The codec of one chunk when the unit's parameters are split over ``group_size`` ranks."""
         key = (group_size, dtype)
         if key not in self._codecs:
-            segments = segments_for(self.padded_numels, self.quantized, group_size, self.bits, self.dtypes)
+            segments = segments_for(self.padded_numels, self.quantized, group_size, self.bits, self.dtypes,
+                                    self.asymmetric)
             self._codecs[key] = ChunkCodec(segments, self.block_size, dtype)
         return self._codecs[key]
 

@@ -8,6 +8,7 @@ installed, for the engine (qgZ's error feedback) and for inspection.
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import socket
 import weakref
@@ -65,6 +66,7 @@ def shard(
     config = config if config is not None else ZeroPPConfig()
     topology = topology if topology is not None else Topology.from_env()
     check_hpz(config.hpz_partition_size, topology)
+    _check_patterns(model, config.unquantized_parameters)
     unit_modules = select_units(model, units)
     scalars = scalar_parameters(model)
     groups = _process_groups(topology, model)
@@ -93,6 +95,7 @@ def enable(model: nn.Module, config: ZeroPPConfig | None = None, *, topology: To
     config = config if config is not None else ZeroPPConfig()
     topology = topology if topology is not None else Topology.from_env()
     check_hpz(config.hpz_partition_size, topology)
+    _check_patterns(model, config.unquantized_parameters)
     return _enable(model, config, _process_groups(topology, model))
 
 
@@ -107,8 +110,9 @@ def _enable(model: FSDPModule, config: ZeroPPConfig, groups: ProcessGroups) -> n
     for unit in units:
         check_unit(unit, config, groups.topology)
     installed = ShardedComms()
+    prefixes = {id(module): f"{name}." if name else "" for name, module in model.named_modules()}
     for unit in units:
-        installed.add(unit, *_install_comms(unit, groups, config))
+        installed.add(unit, *_install_comms(unit, groups, config, prefixes[id(unit)]))
     if config.overlap:
         prefetch_neighbours(model)
     previous = _SHARDED.get(model)
@@ -119,6 +123,16 @@ def _enable(model: FSDPModule, config: ZeroPPConfig, groups: ProcessGroups) -> n
         installed.fresh_copy_hooks = True
     _SHARDED[model] = installed
     return model
+
+
+def _check_patterns(model: nn.Module, patterns: tuple[str, ...]) -> None:
+    """Every pattern of ``unquantized_parameters`` names a parameter (a typo would otherwise
+    quantize what the user meant to keep)."""
+    names = [name for name, _ in model.named_parameters()]
+    for pattern in patterns:
+        if not fnmatch.filter(names, pattern):
+            raise ValueError(f"unquantized_parameters pattern {pattern!r} matches no parameter of "
+                             f"{type(model).__name__}; its parameters are named like {names[:3]}")
 
 
 _FORWARD_AHEAD = 2
@@ -208,15 +222,18 @@ def sharded_comms(model: nn.Module) -> ShardedComms:
     return _SHARDED.get(model, ShardedComms())
 
 
-def _install_comms(module: FSDPModule, groups: ProcessGroups, config: ZeroPPConfig
+def _install_comms(module: FSDPModule, groups: ProcessGroups, config: ZeroPPConfig, prefix: str
                    ) -> tuple[AllGather, ReduceScatter]:
-    """The all-gather and reduce-scatter comms ``config`` asks for, for one unit."""
+    """The all-gather and reduce-scatter comms ``config`` asks for, for one unit (named ``prefix``
+    in the model)."""
     layout = unit_layout(module)
-    quantized = quantized_parameters(layout, config.quantized_weights, config.quantized_nontrainable_weights)
+    quantized = quantized_parameters(layout, config.quantized_weights, config.quantized_nontrainable_weights,
+                                     config.unquantized_parameters, prefix)
     if any(quantized):
         all_gather = QuantizedAllGather(
             groups.topology, layout.padded_numels, quantized, bits=config.weight_bits,
-            block_size=config.block_size, quantize_intra_node=config.quantize_intra_node_weights,
+            asymmetric=config.weight_code == "asymmetric", block_size=config.block_size,
+            quantize_intra_node=config.quantize_intra_node_weights,
             dtypes=layout.gather_dtypes, two_hop=groups if config.hierarchical_gather else None)
     else:
         all_gather = CountingAllGather(groups.topology)

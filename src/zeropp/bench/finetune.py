@@ -59,9 +59,11 @@ class FinetuneMode:
     baseline: str
     """The fine-tuning mode (plain ZeRO-3, same trainable parameters) whose final loss this one
     must match."""
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """``ZeroPPConfig`` fields beyond the sharding mode's, for this model's parameter names."""
 
     def config(self, ranks_per_node: int, **overrides: Any) -> zeropp.ZeroPPConfig:
-        return SHARDING_MODES[self.sharding].config(ranks_per_node, **overrides)
+        return SHARDING_MODES[self.sharding].config(ranks_per_node, **self.options, **overrides)
 
 
 FINETUNE_MODES: dict[str, FinetuneMode] = {
@@ -73,6 +75,13 @@ FINETUNE_MODES: dict[str, FinetuneMode] = {
     "lora_qnw2": FinetuneMode("qnw2", lora=True, baseline="lora_zero3"),
     "lora_qnw4_block32": FinetuneMode("qnw4_block32", lora=True, baseline="lora_zero3"),
     "lora_qnw2_block32": FinetuneMode("qnw2_block32", lora=True, baseline="lora_zero3"),
+    "lora_qnw4_asym32": FinetuneMode("qnw4_asym32", lora=True, baseline="lora_zero3"),
+    "lora_qnw2_asym32": FinetuneMode("qnw2_asym32", lora=True, baseline="lora_zero3"),
+    # QLoRA's convention: the 4-bit base without its (tied) embedding, which stays fp32
+    "lora_qnw4_asym32_embed32": FinetuneMode("qnw4_asym32", lora=True, baseline="lora_zero3",
+                                             options={"unquantized_parameters": ("*embed_tokens*",)}),
+    "lora_qnw2_asym32_embed32": FinetuneMode("qnw2_asym32", lora=True, baseline="lora_zero3",
+                                             options={"unquantized_parameters": ("*embed_tokens*",)}),
 }
 """Fine-tuning runs by name: a sharding mode, with or without LoRA (``lora_<mode>``)."""
 DEFAULT_MODES = tuple(FINETUNE_MODES)

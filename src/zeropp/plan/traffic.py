@@ -140,7 +140,8 @@ def _gathers(unit: UnitShape, padded: list[int], config: ZeroPPConfig, topology:
 def _quantized_gather(padded: list[int], quantized: list[bool], group_size: int, config: ZeroPPConfig,
                       precision: Precision) -> _Payload:
     """qwZ's payload per peer, and its codec work: encode this rank's chunk, decode every rank's."""
-    segments = segments_for(padded, quantized, group_size, config.weight_bits)
+    segments = segments_for(padded, quantized, group_size, config.weight_bits,
+                            asymmetric=config.weight_code == "asymmetric")
     coded = sum(s.numel for s in segments if s.bits is not None)
     return _Payload(payload_bytes(segments, config.block_size, precision.gather_dtype), "qwZ",
                     f"int{config.weight_bits}", (1 + group_size) * coded)
