@@ -152,7 +152,7 @@ def test_normal_levels_cut_the_gaussian_mean_square_error(block_size: int, ratio
 
 
 def test_options_need_a_one_pass_layout() -> None:
-    with pytest.raises(ValueError, match="needs a chunk of quantized segments of one width"):
+    with pytest.raises(ValueError, match="needs a chunk of symmetric quantized segments of one width"):
         ChunkCodec([Segment(64, 4), Segment(64, None)], BLOCK, torch.float32, GradientCode(levels="normal"))
     with pytest.raises(ValueError, match="rotation='fwht' is not allowed; allowed: none, hadamard"):
         GradientCode(rotation="fwht")

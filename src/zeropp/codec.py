@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from zeropp import gradcode, quant, weightcode
+from zeropp import gradcode, native, quant, weightcode
 from zeropp.gradcode import GradientCode
 from zeropp.quant import dequantize_rows, packed_numel, quantize_rows
 
@@ -311,16 +311,32 @@ class _OnePassPlan:
             values = gradcode.rotate(values, self._whole(len(values), values.device), inverse=True)
         return values
 
-    def encode(self, chunks: Tensor, out: Tensor, generator: torch.Generator | None = None) -> None:
+    def _native(self, rows: Tensor) -> bool:
+        """Whether ``rows`` take quant's C kernels: the plain code, where ``quant`` would."""
+        return self.codec.code is None and not self.asymmetric and quant._use_native(rows, self.bits, self.block_size)
+
+    def _packed_codes(self, chunks: Tensor, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+        """Every block's packed codes (rows, codes bytes) and scales as bytes (rows, scale bytes)."""
         rows, block_size = chunks.shape[0], self.block_size
         if self.aligned:
-            blocks, fresh = quant._to_blocks(chunks, block_size)
+            blocks, fresh = chunks, False
         else:
             pieces = self.blocks.split([chunks, chunks.new_zeros((rows, self.num_pad))])
-            blocks, fresh = self.blocks.cat(pieces).float().view(-1, block_size), True
-        scales, codes = self._scales_and_codes(blocks, fresh, generator)
-        codes = codes.view(rows, -1)
-        sources = [quant.pack_codes(codes, self.bits), scales.view(rows, -1).view(torch.uint8)]
+            blocks, fresh = self.blocks.cat(pieces), True
+        if self._native(blocks):  # bf16 rows too: the kernel reads them as they are
+            num_blocks = blocks.shape[1] // block_size
+            data = torch.empty((rows, num_blocks * block_size * self.bits // 8), dtype=torch.uint8)
+            scales = torch.empty((rows, num_blocks), dtype=torch.float32)
+            native.encode_rows(blocks, self.bits, block_size, data, scales)
+            return data, scales.view(torch.uint8)
+        if self.aligned:
+            blocks, fresh = quant._to_blocks(chunks, block_size)
+        scales, codes = self._scales_and_codes(blocks.float().view(-1, block_size), fresh, generator)
+        return quant.pack_codes(codes.view(rows, -1), self.bits), scales.view(rows, -1).view(torch.uint8)
+
+    def encode(self, chunks: Tensor, out: Tensor, generator: torch.Generator | None = None) -> None:
+        rows = chunks.shape[0]
+        sources = list(self._packed_codes(chunks, generator))
         if self.has_raw:
             sources += [chunks.view(torch.uint8), chunks.new_zeros((rows, self.num_zero_bytes), dtype=torch.uint8)]
         self.payload.cat(self.payload.split(sources), out=out)
@@ -328,9 +344,16 @@ class _OnePassPlan:
     def decode(self, packed: Tensor, out: Tensor) -> None:
         rows, block_size = packed.shape[0], self.block_size
         pieces = self.codes.split([packed, packed.new_zeros((rows, self.num_junk))])
-        codes = quant.unpack_codes(self.codes.cat(pieces), self.bits)
-        scales = self.scales.cat(pieces).view(torch.float32)
-        values = self._values(codes.view(-1, block_size), scales.reshape(-1)).view(rows, -1)
+        codes, scales = self.codes.cat(pieces), self.scales.cat(pieces).view(torch.float32)
+        if self._native(out):
+            if self.aligned:
+                native.decode_rows(codes, scales, self.bits, block_size, out)
+                return
+            values = torch.empty((rows, scales.shape[1] * block_size), dtype=torch.float32)
+            native.decode_rows(codes, scales, self.bits, block_size, values)
+        else:
+            values = self._values(quant.unpack_codes(codes, self.bits).view(-1, block_size),
+                                  scales.reshape(-1)).view(rows, -1)
         if self.aligned:
             out.copy_(values)
         else:

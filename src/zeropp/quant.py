@@ -51,7 +51,7 @@ import threading
 import torch
 from torch import Tensor
 
-from zeropp import quant_triton
+from zeropp import native, quant_triton
 
 __all__ = [
     "dequantize",
@@ -78,13 +78,15 @@ MAX_BLOCK_SIZE = 65536
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OUTPUT_DTYPES = (*INPUT_DTYPES, torch.float64)
 _SCALE_BYTES = 4  # fp32
-KERNELS = ("torch", "auto", "triton")
-"""``torch`` (the default): always the torch path; ``auto``: the Triton kernels
-(``zeropp.quant_triton``) for CUDA tensors when Triton imports, the torch path otherwise;
-``triton``: the kernels, and an error for tensors they cannot take. Both paths give the same
-bytes. The kernels have been checked bit-for-bit against the torch path in Triton's CPU
+KERNELS = ("native", "torch", "auto", "triton")
+"""``native`` (the default): the C kernels (``zeropp.native``) for CPU tensors they take (2, 4
+and 8 bits, fp32 and bf16, where a C compiler built them), the torch path for everything else;
+``torch``: always the torch path; ``auto``: ``native``, and the Triton kernels
+(``zeropp.quant_triton``) for CUDA tensors when Triton imports; ``triton``: the Triton kernels,
+and an error for tensors they cannot take. Every path gives the same bytes and values. The
+Triton kernels have been checked bit-for-bit against the torch path in Triton's CPU
 interpreter but not yet on a GPU, so they are opt-in until they are."""
-_kernel = "torch"
+_kernel = "native"
 
 
 def set_kernel(name: str) -> str:
@@ -97,9 +99,14 @@ def set_kernel(name: str) -> str:
     return previous
 
 
+def _use_native(rows: Tensor, bits: int, block_size: int) -> bool:
+    """Whether this call takes the C kernels, per ``set_kernel``."""
+    return _kernel in ("native", "auto") and native.applies(rows, bits, block_size)
+
+
 def _use_triton(device: torch.device, bits: int) -> bool:
     """Whether this call takes the Triton kernels, per ``set_kernel``."""
-    if _kernel == "torch":
+    if _kernel in ("torch", "native"):
         return False
     usable = quant_triton.available(device) and bits in quant_triton.BITS
     if _kernel == "triton" and not usable:
@@ -376,6 +383,9 @@ def _encode_into(
     if _use_triton(chunks.device, bits):
         quant_triton.encode_rows(chunks, bits, block_size, data_out, scales_out)
         return
+    if _use_native(chunks, bits, block_size):
+        native.encode_rows(chunks, bits, block_size, data_out, scales_out)
+        return
     blocks, is_copy = _to_blocks(chunks, block_size)  # (num_chunks * num_blocks, block_size)
     scales = _block_scales(blocks, bits)
     codes = _block_codes(blocks, scales, overwrite=is_copy)
@@ -388,6 +398,9 @@ def _decode_into(data: Tensor, scales: Tensor, bits: int, block_size: int, out: 
     ``out`` (num_chunks, chunk_numel): ``code * scale`` in fp32, then cast to out's dtype."""
     if _use_triton(out.device, bits):
         quant_triton.decode_rows(data, scales, bits, block_size, out)
+        return
+    if _use_native(out, bits, block_size):
+        native.decode_rows(data, scales, bits, block_size, out)
         return
     numel = out.shape[1]
     values = out if out.dtype == torch.float32 else _scratch("values", tuple(out.shape), torch.float32, out.device)
@@ -535,4 +548,4 @@ def error_bound(scales: Tensor, block_size: int, numel: int) -> Tensor:
     return (scales.reshape(-1, 1) / 2).expand(-1, block_size).reshape(-1)[:numel]
 
 
-set_kernel(os.environ.get("ZEROPP_QUANT_KERNEL", "torch"))
+set_kernel(os.environ.get("ZEROPP_QUANT_KERNEL", "native"))

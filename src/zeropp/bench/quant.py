@@ -7,7 +7,8 @@ Two questions decide whether quantized communication pays off:
    copy. ``round_trip_vs_copy`` is the time of ``copy_`` over the time of quantize plus
    dequantize. Every width from 2 to 8 bits is timed with the torch path, the torch path under
    ``torch.compile`` (fp32 input; inductor's vectorised C++ on CPU, generated Triton on CUDA),
-   and on CUDA the hand-written Triton kernels.
+   on CPU the C kernels (``zeropp.native``, the default there; 2, 4 and 8 bits), and on CUDA
+   the hand-written Triton kernels.
 2. What do blocks buy? ZeRO++ (§3.1) uses a scale per block instead of one per tensor so an
    outlier only coarsens its own block; the error table compares both on Gaussian weights and
    on heavy-tailed Student-t (ν = 3) weights.
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from zeropp import quant, quant_triton
+from zeropp import native, quant, quant_triton
 from zeropp.codec import ChunkCodec, segments_for
 from zeropp.quant import (
     dequantize_from,
@@ -91,10 +92,11 @@ def _median_seconds(fn: Callable[[], object], repeats: int, device: torch.device
 
 
 def _kernels(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
-    """The (de)quantization paths to time: the torch path, the same compiled (fp32 input), and
-    on CUDA the Triton kernels."""
+    """The (de)quantization paths to time: the torch path, the same compiled (fp32 input), on
+    CPU the C kernels where they built, and on CUDA the Triton kernels."""
     compiled = ("compiled",) if dtype == torch.float32 else ()
-    return ("torch", *compiled, *(("triton",) if quant_triton.available(device) else ()))
+    c_kernels = ("native",) if device.type == "cpu" and native.available() else ()
+    return ("torch", *compiled, *c_kernels, *(("triton",) if quant_triton.available(device) else ()))
 
 
 def _coders(kernel: str, x: torch.Tensor, bits: int, packed: torch.Tensor, decoded: torch.Tensor
@@ -150,9 +152,9 @@ def _throughput_rows(
     copy_s = _median_seconds(lambda: decoded.copy_(x), repeats, device)
     rows = []
     for kernel in _kernels(device, dtype):
-        previous = set_kernel("triton" if kernel == "triton" else "torch")
+        previous = set_kernel(kernel if kernel in ("triton", "native") else "torch")
         try:
-            for bits in BITS:
+            for bits in (b for b in BITS if kernel != "native" or b in native.BITS):
                 num_bytes = packed_numel(numel, bits, BLOCK_SIZE)
                 packed = torch.empty(num_bytes, dtype=torch.uint8, device=device)
                 encode, decode, first_call_s = _coders(kernel, x, bits, packed, decoded)
@@ -189,8 +191,10 @@ DEMO_UNIT = [128, 128, 49152, 384, 16384, 128, 128, 128, 65536, 512, 65536, 128]
 
 
 def _chunk_rows(repeats: int) -> list[dict[str, Any]]:
-    """One demo unit's chunk: the fused one-pass codec (the default) against coding each
-    parameter segment on its own, encode of one rank's row and decode of four rows."""
+    """One demo unit's chunk: the fused one-pass codec (the default; its block code in C where
+    the C kernels take the width, else torch's) and the same with torch's block code, against
+    coding each parameter segment on its own (torch's), encode of one rank's row and decode of
+    four rows."""
     rows = []
     for bits in BITS:
         codec = ChunkCodec(segments_for(DEMO_UNIT, [True] * len(DEMO_UNIT), 4, bits), BLOCK_SIZE, torch.float32)
@@ -198,11 +202,18 @@ def _chunk_rows(repeats: int) -> list[dict[str, Any]]:
         packed = torch.empty(4, codec.nbytes, dtype=torch.uint8)
         decoded = torch.empty_like(chunks)
         times = {}
-        for path, encode, decode in (("fused", codec.encode, codec.decode),
-                                     ("per_segment", codec.encode_segments, codec.decode_segments)):
-            times[f"{path}_encode_ms"] = 1e3 * _median_seconds(lambda: encode(chunks[:1], packed[:1]), repeats,
-                                                               chunks.device)
-            times[f"{path}_decode_ms"] = 1e3 * _median_seconds(lambda: decode(packed, decoded), repeats, chunks.device)
+        for path, kernel, encode, decode in (
+                ("fused", "native", codec.encode, codec.decode),
+                ("fused_torch", "torch", codec.encode, codec.decode),
+                ("per_segment", "torch", codec.encode_segments, codec.decode_segments)):
+            previous = set_kernel(kernel)
+            try:
+                times[f"{path}_encode_ms"] = 1e3 * _median_seconds(lambda: encode(chunks[:1], packed[:1]), repeats,
+                                                                   chunks.device)
+                times[f"{path}_decode_ms"] = 1e3 * _median_seconds(lambda: decode(packed, decoded), repeats,
+                                                                   chunks.device)
+            finally:
+                set_kernel(previous)
         rows.append({"bits": bits, "segments": len(DEMO_UNIT), "chunk_numel": codec.numel, **times})
     return rows
 
@@ -294,11 +305,12 @@ def run(
         "error": errors,
     }
     _print_tables(throughput, errors)
-    print(f"\n{'bits':>4} {'fused encode':>12} {'per-segment':>11} {'fused decode':>12} {'per-segment':>11}  (ms, "
-          "one demo unit: encode 1 row, decode 4)")
+    print(f"\n{'bits':>4} {'encode: fused':>13} {'fused, torch':>12} {'per-segment':>11} {'decode: fused':>13} "
+          f"{'fused, torch':>12} {'per-segment':>11}  (ms, one demo unit: encode 1 row, decode 4)")
     for r in chunks:
-        print(f"{r['bits']:>4} {r['fused_encode_ms']:>12.3f} {r['per_segment_encode_ms']:>11.3f} "
-              f"{r['fused_decode_ms']:>12.3f} {r['per_segment_decode_ms']:>11.3f}")
+        print(f"{r['bits']:>4} {r['fused_encode_ms']:>13.3f} {r['fused_torch_encode_ms']:>12.3f} "
+              f"{r['per_segment_encode_ms']:>11.3f} {r['fused_decode_ms']:>13.3f} {r['fused_torch_decode_ms']:>12.3f} "
+              f"{r['per_segment_decode_ms']:>11.3f}")
     os.makedirs(out_dir, exist_ok=True)
     name = "bench_quant_cuda.json" if device.type == "cuda" else "bench_quant.json"
     path = os.path.join(out_dir, name)
