@@ -90,9 +90,38 @@ static void encode_row(const void *row, int dtype, int64_t numel, int64_t block_
         }
         int64_t stored = covered - start < block_size ? covered - start : block_size;
         scales[b] = block_scale(x, n, qmax);
-        block_codes(x, n, stored, scales[b], codes);
-        store_codes(codes, stored, bits, data + start * bits / 8);
+        if (bits == 8) { /* the int8 codes are the bytes */
+            block_codes(x, n, stored, scales[b], (int8_t *)data + start);
+        } else {
+            block_codes(x, n, stored, scales[b], codes);
+            store_codes(codes, stored, bits, data + start * bits / 8);
+        }
     }
+}
+
+/* code * scale of the block's first n elements, whole bytes at a time, then the fields left. */
+static void decode_block(const uint8_t *bytes, int64_t n, int bits, float scale, float *values) {
+    if (bits == 8) {
+        for (int64_t i = 0; i < n; i++) values[i] = (float)(int8_t)bytes[i] * scale;
+        return;
+    }
+    int per_byte = 8 / bits, mask = (1 << bits) - 1, offset = 1 << (bits - 1);
+    int64_t whole = n / per_byte;
+    if (bits == 4) {
+        for (int64_t i = 0; i < whole; i++) {
+            values[2 * i] = (float)((bytes[i] & 0xF) - 8) * scale;
+            values[2 * i + 1] = (float)((bytes[i] >> 4) - 8) * scale;
+        }
+    } else {
+        for (int64_t i = 0; i < whole; i++) {
+            values[4 * i] = (float)((bytes[i] & 0x3) - 2) * scale;
+            values[4 * i + 1] = (float)(((bytes[i] >> 2) & 0x3) - 2) * scale;
+            values[4 * i + 2] = (float)(((bytes[i] >> 4) & 0x3) - 2) * scale;
+            values[4 * i + 3] = (float)((bytes[i] >> 6) - 2) * scale;
+        }
+    }
+    for (int64_t i = whole * per_byte; i < n; i++)
+        values[i] = (float)(((bytes[i / per_byte] >> (bits * (i % per_byte))) & mask) - offset) * scale;
 }
 
 static void decode_row(const uint8_t *data, const float *scales, int64_t numel, int64_t block_size, int bits,
@@ -101,19 +130,10 @@ static void decode_row(const uint8_t *data, const float *scales, int64_t numel, 
     for (int64_t start = 0, b = 0; start < numel; start += block_size, b++) {
         int64_t n = numel - start < block_size ? numel - start : block_size;
         const uint8_t *bytes = data + start * bits / 8;
-        float scale = scales[b];
-        if (bits == 8) {
-            for (int64_t i = 0; i < n; i++) values[i] = (float)(int8_t)bytes[i] * scale;
-        } else if (bits == 4) {
-            for (int64_t i = 0; i < n; i++)
-                values[i] = (float)(((bytes[i / 2] >> (4 * (i & 1))) & 0xF) - 8) * scale;
-        } else {
-            for (int64_t i = 0; i < n; i++)
-                values[i] = (float)(((bytes[i / 4] >> (2 * (i & 3))) & 0x3) - 2) * scale;
-        }
         if (dtype == DTYPE_FP32) {
-            memcpy((float *)row + start, values, (size_t)n * 4);
+            decode_block(bytes, n, bits, scales[b], (float *)row + start);
         } else {
+            decode_block(bytes, n, bits, scales[b], values);
             uint16_t *h = (uint16_t *)row + start;
             for (int64_t i = 0; i < n; i++) h[i] = fp32_to_bf16(values[i]);
         }
