@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import codec_golden
+from zeropp import quant
 from zeropp.codec import ChunkCodec, Segment, segments_for
 from zeropp.quant import (
     dequantize_packed,
@@ -124,9 +125,17 @@ def _random_layouts(count: int) -> list[tuple[list[Segment], int, torch.dtype, i
     return layouts
 
 
+@pytest.fixture
+def torch_kernel():
+    """The torch path: the one-pass plan is what the C kernels replace where they apply."""
+    previous = quant.set_kernel("torch")
+    yield
+    quant.set_kernel(previous)
+
+
 @pytest.mark.parametrize(("segments", "block_size", "dtype", "rows"), _random_layouts(84))
 def test_one_pass_codec_is_bit_identical_to_per_segment(segments: list[Segment], block_size: int,
-                                                        dtype: torch.dtype, rows: int) -> None:
+                                                        dtype: torch.dtype, rows: int, torch_kernel) -> None:
     codec = ChunkCodec(segments, block_size, dtype)
     assert codec._plan is not None
     generator = torch.Generator().manual_seed(len(segments) * block_size)
@@ -152,7 +161,7 @@ def test_byte_mode_and_mixed_width_chunks_take_the_per_segment_path() -> None:
     assert ChunkCodec([Segment(64, 8), Segment(64, None)], 32, torch.float32)._plan is not None
 
 
-def test_one_pass_codec_takes_chunks_of_another_dtype() -> None:
+def test_one_pass_codec_takes_chunks_of_another_dtype(torch_kernel) -> None:
     """qgZ's codec is fp32 and may be handed bf16 gradients: the one-pass path codes them as the
     per-segment path does."""
     codec = ChunkCodec([Segment(37, 4), Segment(5, 4), Segment(64, 4)], 32, torch.float32)

@@ -9,7 +9,7 @@ import torch
 
 from test_codec import _random_layouts
 from zeropp import native, quant
-from zeropp.codec import ChunkCodec
+from zeropp.codec import ChunkCodec, Segment
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no C kernels: {native.unavailable_reason()}")
 SIZES = (1, 5, 31, 32, 33, 255, 256, 257, 1000, 4096 + 7, 100_003)
@@ -78,13 +78,27 @@ def test_strided_rows_of_a_comm_buffer() -> None:
 def test_chunk_codec_layouts_equal_the_torch_path(segments, block_size: int, dtype: torch.dtype, rows: int) -> None:
     codec = ChunkCodec(segments, block_size, dtype)
     chunks = _input(rows * codec.numel, torch.float32, seed=len(segments)).view(rows, -1).to(dtype)
-    packed = {kernel: torch.zeros(rows, codec.nbytes, dtype=torch.uint8) for kernel in ("torch", "native")}
+    packed = {kernel: torch.full((rows, codec.nbytes), 0xA5, dtype=torch.uint8) for kernel in ("torch", "native")}
     decoded = {kernel: torch.empty(rows, codec.numel, dtype=dtype) for kernel in ("torch", "native")}
     for kernel in ("torch", "native"):
         _with_kernel(kernel, codec.encode, chunks, packed[kernel])
         _with_kernel(kernel, codec.decode, packed["torch"], decoded[kernel])
     assert torch.equal(packed["native"], packed["torch"])
     assert torch.equal(decoded["native"].view(torch.uint8), decoded["torch"].view(torch.uint8))
+
+
+def test_fp32_codec_given_bf16_rows_and_mixed_widths() -> None:
+    """qgZ's fp32 codec takes bf16 gradients; a chunk may mix widths (one C call codes both)."""
+    for segments in ([Segment(37, 4), Segment(5, 4), Segment(64, 4)], [Segment(100, 8), Segment(64, 2)]):
+        codec = ChunkCodec(segments, 32, torch.float32)
+        chunks = _input(2 * codec.numel, torch.float32, seed=5).view(2, -1).bfloat16()
+        packed = {kernel: torch.zeros(2, codec.nbytes, dtype=torch.uint8) for kernel in ("torch", "native")}
+        decoded = {kernel: torch.empty(2, codec.numel, dtype=torch.bfloat16) for kernel in ("torch", "native")}
+        for kernel in ("torch", "native"):
+            _with_kernel(kernel, codec.encode, chunks, packed[kernel])
+            _with_kernel(kernel, codec.decode, packed["torch"], decoded[kernel])
+        assert torch.equal(packed["native"], packed["torch"])
+        assert torch.equal(decoded["native"].view(torch.int16), decoded["torch"].view(torch.int16))
 
 
 def test_without_a_compiler_zeropp_codes_with_the_torch_path(tmp_path, monkeypatch) -> None:

@@ -83,7 +83,10 @@ class ChunkCodec:
             byte_offset += _round_up(nbytes, _ALIGN)
         self.numel = input_offset
         self.nbytes = byte_offset
+        self._has_raw = any(s.bits is None for s in self.segments)
         self._plan = _OnePassPlan(self) if _one_pass_applies(self) else None
+        self._native_table = (native.segment_table(self._spans, [s.bits for s in self.segments])
+                              if _native_applies(self) else None)
         if self.code is not None and (self._plan is None or self._plan.has_raw or self._plan.asymmetric):
             raise ValueError(f"the gradient code {self.code} needs a chunk of symmetric quantized segments of one "
                              f"width and one float dtype; got segments {self.segments} in {dtype}")
@@ -108,9 +111,21 @@ class ChunkCodec:
             return None
         return plan
 
+    def _native(self, rows: Tensor, packed: Tensor) -> bool:
+        """Whether this call codes the whole chunk in one call of the C kernels: they are chosen
+        and built, the layout allows it, and ``rows`` (chunks or decoded output) are CPU rows of a
+        dtype they take (the codec's own where raw segments are copied)."""
+        return (self._native_table is not None and quant._kernel in ("native", "auto") and rows.device.type == "cpu"
+                and rows.dtype in native.DTYPES and (rows.dtype == self.dtype or not self._has_raw)
+                and (rows.shape[1] <= 1 or rows.stride(1) == 1) and (packed.shape[1] <= 1 or packed.stride(1) == 1)
+                and native.available())
+
     def encode(self, chunks: Tensor, out: Tensor, generator: torch.Generator | None = None) -> None:
         """Write each row of ``chunks`` (num_chunks, numel) as one packed row of ``out``;
         ``generator`` draws the uniforms of stochastic rounding."""
+        if self._native(chunks, out):
+            native.encode_chunks(chunks, self._native_table, self.block_size, out)
+            return
         plan = self._one_pass(chunks)
         if plan is not None:
             plan.encode(chunks, out, generator)
@@ -119,6 +134,9 @@ class ChunkCodec:
 
     def decode(self, packed: Tensor, out: Tensor) -> None:
         """Decode packed rows (num_chunks, nbytes) into the rows of ``out`` (num_chunks, numel)."""
+        if self._native(out, packed):
+            native.decode_chunks(packed, self._native_table, self.block_size, out)
+            return
         plan = self._one_pass(out)
         if plan is not None:
             plan.decode(packed, out)
@@ -189,6 +207,14 @@ def _one_pass_applies(codec: ChunkCodec) -> bool:
     and symmetry)."""
     widths = {(s.bits, s.asymmetric) for s in codec.segments if s.bits is not None and s.numel}
     return not codec.byte_mode and len(widths) == 1 and codec.dtype in quant.INPUT_DTYPES
+
+
+def _native_applies(codec: ChunkCodec) -> bool:
+    """Whether the C kernels can code ``codec``'s chunks: the plain symmetric code at widths
+    they take, one dtype (no byte mode) they read; segments may mix widths and raw ones."""
+    return (codec.code is None and not codec.byte_mode and codec.dtype in native.DTYPES
+            and all(s.bits is None or (s.bits in native.BITS and not s.asymmetric) for s in codec.segments)
+            and codec.block_size <= native.MAX_BLOCK_SIZE)
 
 
 class _Pieces:
@@ -311,32 +337,15 @@ class _OnePassPlan:
             values = gradcode.rotate(values, self._whole(len(values), values.device), inverse=True)
         return values
 
-    def _native(self, rows: Tensor) -> bool:
-        """Whether ``rows`` take quant's C kernels: the plain code, where ``quant`` would."""
-        return self.codec.code is None and not self.asymmetric and quant._use_native(rows, self.bits, self.block_size)
-
-    def _packed_codes(self, chunks: Tensor, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
-        """Every block's packed codes (rows, codes bytes) and scales as bytes (rows, scale bytes)."""
+    def encode(self, chunks: Tensor, out: Tensor, generator: torch.Generator | None = None) -> None:
         rows, block_size = chunks.shape[0], self.block_size
         if self.aligned:
-            blocks, fresh = chunks, False
+            blocks, fresh = quant._to_blocks(chunks, block_size)
         else:
             pieces = self.blocks.split([chunks, chunks.new_zeros((rows, self.num_pad))])
-            blocks, fresh = self.blocks.cat(pieces), True
-        if self._native(blocks):  # bf16 rows too: the kernel reads them as they are
-            num_blocks = blocks.shape[1] // block_size
-            data = torch.empty((rows, num_blocks * block_size * self.bits // 8), dtype=torch.uint8)
-            scales = torch.empty((rows, num_blocks), dtype=torch.float32)
-            native.encode_rows(blocks, self.bits, block_size, data, scales)
-            return data, scales.view(torch.uint8)
-        if self.aligned:
-            blocks, fresh = quant._to_blocks(chunks, block_size)
-        scales, codes = self._scales_and_codes(blocks.float().view(-1, block_size), fresh, generator)
-        return quant.pack_codes(codes.view(rows, -1), self.bits), scales.view(rows, -1).view(torch.uint8)
-
-    def encode(self, chunks: Tensor, out: Tensor, generator: torch.Generator | None = None) -> None:
-        rows = chunks.shape[0]
-        sources = list(self._packed_codes(chunks, generator))
+            blocks, fresh = self.blocks.cat(pieces).float().view(-1, block_size), True
+        scales, codes = self._scales_and_codes(blocks, fresh, generator)
+        sources = [quant.pack_codes(codes.view(rows, -1), self.bits), scales.view(rows, -1).view(torch.uint8)]
         if self.has_raw:
             sources += [chunks.view(torch.uint8), chunks.new_zeros((rows, self.num_zero_bytes), dtype=torch.uint8)]
         self.payload.cat(self.payload.split(sources), out=out)
@@ -344,16 +353,9 @@ class _OnePassPlan:
     def decode(self, packed: Tensor, out: Tensor) -> None:
         rows, block_size = packed.shape[0], self.block_size
         pieces = self.codes.split([packed, packed.new_zeros((rows, self.num_junk))])
-        codes, scales = self.codes.cat(pieces), self.scales.cat(pieces).view(torch.float32)
-        if self._native(out):
-            if self.aligned:
-                native.decode_rows(codes, scales, self.bits, block_size, out)
-                return
-            values = torch.empty((rows, scales.shape[1] * block_size), dtype=torch.float32)
-            native.decode_rows(codes, scales, self.bits, block_size, values)
-        else:
-            values = self._values(quant.unpack_codes(codes, self.bits).view(-1, block_size),
-                                  scales.reshape(-1)).view(rows, -1)
+        codes = quant.unpack_codes(self.codes.cat(pieces), self.bits)
+        scales = self.scales.cat(pieces).view(torch.float32)
+        values = self._values(codes.view(-1, block_size), scales.reshape(-1)).view(rows, -1)
         if self.aligned:
             out.copy_(values)
         else:

@@ -78,6 +78,8 @@ def _library() -> ctypes.CDLL | None:
                                            ptr, i64]
     library.zeropp_decode_rows.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_int, ptr, i64,
                                            ctypes.c_int]
+    library.zeropp_encode_chunks.argtypes = [ptr, i64, ctypes.c_int, i64, ptr, i64, i64, ptr, i64]
+    library.zeropp_decode_chunks.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, ctypes.c_int]
     return library
 
 
@@ -113,3 +115,23 @@ def decode_rows(data: Tensor, scales: Tensor, bits: int, block_size: int, out: T
     _library().zeropp_decode_rows(
         data.data_ptr(), data.stride(0), scales.data_ptr(), scales.stride(0), num_rows, numel, block_size, bits,
         out.data_ptr(), out.stride(0), DTYPES[out.dtype])
+
+
+def segment_table(spans: list[tuple[int, int, int, int]], bits: list[int | None]) -> Tensor:
+    """A chunk codec's segments for ``encode_chunks``: per segment its element offset and count
+    in a row, its byte offset and bytes (before alignment) in the payload, and its bits (0:
+    copied as it is)."""
+    return torch.tensor([[*span, b or 0] for span, b in zip(spans, bits, strict=True)], dtype=torch.int64)
+
+
+def encode_chunks(chunks: Tensor, table: Tensor, block_size: int, out: Tensor) -> None:
+    """``ChunkCodec.encode`` in one call: rows of ``chunks`` (rows, numel) into payload rows of
+    ``out`` (rows, nbytes), each segment as ``table`` says."""
+    _library().zeropp_encode_chunks(chunks.data_ptr(), chunks.stride(0), DTYPES[chunks.dtype], chunks.shape[0],
+                                    table.data_ptr(), table.shape[0], block_size, out.data_ptr(), out.stride(0))
+
+
+def decode_chunks(packed: Tensor, table: Tensor, block_size: int, out: Tensor) -> None:
+    """``ChunkCodec.decode`` in one call: payload rows of ``packed`` into the rows of ``out``."""
+    _library().zeropp_decode_chunks(packed.data_ptr(), packed.stride(0), packed.shape[0], table.data_ptr(),
+                                    table.shape[0], block_size, out.data_ptr(), out.stride(0), DTYPES[out.dtype])

@@ -158,3 +158,52 @@ void zeropp_decode_rows(const uint8_t *data, int64_t data_stride, const float *s
         decode_row(data + r * data_stride, scales + r * scales_stride, numel, block_size, bits,
                    (char *)rows + r * row_stride * itemsize, dtype);
 }
+
+/* A chunk codec's payload rows in one call (zeropp/codec.py, ChunkCodec): each row of `chunks`
+ * is a run of segments, each quantized on its own (its codes, then its blocks' fp32 scales) or
+ * copied as it is, every segment starting 4-byte aligned with zeros in the gaps. `table` holds
+ * five int64 per segment: element offset in the row, elements, byte offset in the payload,
+ * bytes before alignment, bits (0: copied). */
+void zeropp_encode_chunks(const void *chunks, int64_t chunk_stride, int dtype, int64_t num_rows,
+                          const int64_t *table, int64_t num_segments, int64_t block_size, uint8_t *out,
+                          int64_t out_stride) {
+    int64_t itemsize = dtype == DTYPE_FP32 ? 4 : 2;
+    for (int64_t r = 0; r < num_rows; r++) {
+        const char *row = (const char *)chunks + r * chunk_stride * itemsize;
+        uint8_t *payload = out + r * out_stride;
+        for (int64_t s = 0; s < num_segments; s++) {
+            const int64_t *segment = table + 5 * s;
+            int64_t offset = segment[0], numel = segment[1], byte = segment[2], nbytes = segment[3];
+            int bits = (int)segment[4];
+            if (bits == 0) {
+                memcpy(payload + byte, row + offset * itemsize, (size_t)nbytes);
+            } else if (numel > 0) {
+                int64_t data_bytes = (numel * bits + 31) / 32 * 4;
+                encode_row(row + offset * itemsize, dtype, numel, block_size, bits, payload + byte, data_bytes,
+                           (float *)(payload + byte + data_bytes));
+            }
+            memset(payload + byte + nbytes, 0, (size_t)((4 - nbytes % 4) % 4));
+        }
+    }
+}
+
+void zeropp_decode_chunks(const uint8_t *packed, int64_t packed_stride, int64_t num_rows, const int64_t *table,
+                          int64_t num_segments, int64_t block_size, void *out, int64_t out_stride, int dtype) {
+    int64_t itemsize = dtype == DTYPE_FP32 ? 4 : 2;
+    for (int64_t r = 0; r < num_rows; r++) {
+        const uint8_t *payload = packed + r * packed_stride;
+        char *row = (char *)out + r * out_stride * itemsize;
+        for (int64_t s = 0; s < num_segments; s++) {
+            const int64_t *segment = table + 5 * s;
+            int64_t offset = segment[0], numel = segment[1], byte = segment[2], nbytes = segment[3];
+            int bits = (int)segment[4];
+            if (bits == 0) {
+                memcpy(row + offset * itemsize, payload + byte, (size_t)nbytes);
+            } else if (numel > 0) {
+                int64_t data_bytes = (numel * bits + 31) / 32 * 4;
+                decode_row(payload + byte, (const float *)(payload + byte + data_bytes), numel, block_size, bits,
+                           row + offset * itemsize, dtype);
+            }
+        }
+    }
+}
