@@ -130,7 +130,7 @@ def _check_patterns(model: nn.Module, patterns: tuple[str, ...]) -> None:
     quantize what the user meant to keep)."""
     names = [name for name, _ in model.named_parameters()]
     for pattern in patterns:
-        if not fnmatch.filter(names, pattern):
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
             raise ValueError(f"unquantized_parameters pattern {pattern!r} matches no parameter of "
                              f"{type(model).__name__}; its parameters are named like {names[:3]}")
 
