@@ -8,19 +8,12 @@ import pytest
 import torch
 
 from test_codec import _random_layouts
+from test_quant_triton import _with_kernel
 from zeropp import native, quant
 from zeropp.codec import ChunkCodec, Segment
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no C kernels: {native.unavailable_reason()}")
 SIZES = (1, 5, 31, 32, 33, 255, 256, 257, 1000, 4096 + 7, 100_003)
-
-
-def _with_kernel(name: str, fn, *args):
-    previous = quant.set_kernel(name)
-    try:
-        return fn(*args)
-    finally:
-        quant.set_kernel(previous)
 
 
 def _bits_of(x: torch.Tensor) -> torch.Tensor:

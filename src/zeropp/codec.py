@@ -115,10 +115,8 @@ class ChunkCodec:
         """Whether this call codes the whole chunk in one call of the C kernels: they are chosen
         and built, the layout allows it, and ``rows`` (chunks or decoded output) are CPU rows of a
         dtype they take (the codec's own where raw segments are copied)."""
-        return (self._native_table is not None and quant._kernel in ("native", "auto") and rows.device.type == "cpu"
-                and rows.dtype in native.DTYPES and (rows.dtype == self.dtype or not self._has_raw)
-                and (rows.shape[1] <= 1 or rows.stride(1) == 1) and (packed.shape[1] <= 1 or packed.stride(1) == 1)
-                and native.available())
+        return (self._native_table is not None and quant.native_chosen() and native.takes(rows)
+                and (rows.dtype == self.dtype or not self._has_raw) and (packed.shape[1] <= 1 or packed.stride(1) == 1))
 
     def encode(self, chunks: Tensor, out: Tensor, generator: torch.Generator | None = None) -> None:
         """Write each row of ``chunks`` (num_chunks, numel) as one packed row of ``out``;

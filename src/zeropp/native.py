@@ -93,10 +93,16 @@ def unavailable_reason() -> str:
     return "" if available() else str(_error)
 
 
+def takes(rows: Tensor) -> bool:
+    """Whether the kernels read and write these rows: a CPU tensor of a dtype they take, each
+    row contiguous, and the kernels built."""
+    return (rows.device.type == "cpu" and rows.dtype in DTYPES and (rows.shape[1] <= 1 or rows.stride(1) == 1)
+            and available())
+
+
 def applies(rows: Tensor, bits: int, block_size: int) -> bool:
-    """Whether the kernels take these rows (a CPU tensor of a dtype and width they code)."""
-    return (rows.device.type == "cpu" and rows.dtype in DTYPES and bits in BITS and block_size <= MAX_BLOCK_SIZE
-            and (rows.shape[1] <= 1 or rows.stride(1) == 1) and available())
+    """Whether the kernels code these rows at this width and block size."""
+    return bits in BITS and block_size <= MAX_BLOCK_SIZE and takes(rows)
 
 
 def encode_rows(chunks: Tensor, bits: int, block_size: int, data_out: Tensor, scales_out: Tensor) -> None:

@@ -99,9 +99,14 @@ def set_kernel(name: str) -> str:
     return previous
 
 
+def native_chosen() -> bool:
+    """Whether ``set_kernel`` lets CPU tensors take the C kernels (``zeropp.native``)."""
+    return _kernel in ("native", "auto")
+
+
 def _use_native(rows: Tensor, bits: int, block_size: int) -> bool:
     """Whether this call takes the C kernels, per ``set_kernel``."""
-    return _kernel in ("native", "auto") and native.applies(rows, bits, block_size)
+    return native_chosen() and native.applies(rows, bits, block_size)
 
 
 def _use_triton(device: torch.device, bits: int) -> bool:
