@@ -71,7 +71,8 @@ FULL_CONFIG: dict[str, Any] = {
                    "unquantized_parameters": ["*embed_tokens*", "lm_head.*"], "grad_bits_intra": 8,
                    "grad_bits_inter": 4, "quantize_intra_node_weights": True,
                    "error_feedback": True, "grad_rotation": "hadamard", "grad_rounding": "stochastic",
-                   "grad_levels": "normal", "overlap": True, "hierarchical_gather": True},
+                   "grad_levels": "normal", "grad_block_size": 64, "grad_scale_bits": 8, "overlap": True,
+                   "hierarchical_gather": True},
     },
 }
 
@@ -213,6 +214,18 @@ def test_block_size_must_fit_every_code_width(options: dict[str, Any], key: str,
         ZeroPPConfig(**options)
     assert ZeroPPConfig(**{**options, "block_size": smallest}).block_size == smallest
     assert ZeroPPConfig(weight_bits=3, block_size=8).weight_bits == 3  # qwZ off: the width is unused
+
+
+def test_grad_block_size_is_qgz_own() -> None:
+    """qgZ codes with ``grad_block_size`` where it is set (checked against the gradient widths),
+    qwZ keeps ``block_size``."""
+    with pytest.raises(ValueError, match=r"grad_block_size=8 is not allowed with grad_bits_inter=2.*"
+                                         r"grad_block_size >= 16"):
+        ZeroPPConfig(quantized_gradients=True, grad_bits_inter=2, grad_block_size=8)
+    config = ZeroPPConfig(quantized_weights=True, weight_bits=6, block_size=256, quantized_gradients=True,
+                          grad_block_size=64, grad_scale_bits=8)
+    assert (config.block_size, config.gradient_block_size, config.gradient_code.grouped_scales) == (256, 64, True)
+    assert ZeroPPConfig(block_size=128).gradient_block_size == 128
 
 
 def test_zeropp_is_frozen_and_keyword_only() -> None:
@@ -421,8 +434,10 @@ def test_full_config_reaches_every_field() -> None:
         weight_bits=8, weight_code="asymmetric", unquantized_parameters=("*embed_tokens*", "lm_head.*"),
         grad_bits_intra=8, grad_bits_inter=4, quantize_intra_node_weights=True,
         error_feedback=True, grad_rotation="hadamard", grad_rounding="stochastic", grad_levels="normal",
-        overlap=True, hierarchical_gather=True, param_dtype=torch.float16)
-    assert parsed.zeropp.gradient_code == GradientCode(rotation="hadamard", rounding="stochastic", levels="normal")
+        grad_block_size=64, grad_scale_bits=8, overlap=True, hierarchical_gather=True, param_dtype=torch.float16)
+    assert parsed.zeropp.gradient_code == GradientCode(rotation="hadamard", rounding="stochastic", levels="normal",
+                                                       scale_bits=8)
+    assert parsed.zeropp.gradient_block_size == 64
     training = parsed.training
     assert training.resolve_batch(4) == (32, 4, 2)
     assert (training.fp16, training.bf16, training.initial_scale_power) == (True, False, 12)
@@ -497,6 +512,8 @@ def test_bf16_and_fp16_together_are_an_error() -> None:
         ("zero_optimization.zeropp.grad_rotation", "fwht", "'none' or 'hadamard'"),
         ("zero_optimization.zeropp.grad_rounding", True, "'nearest' or 'stochastic'"),
         ("zero_optimization.zeropp.grad_levels", "nf4", "'uniform' or 'normal'"),
+        ("zero_optimization.zeropp.grad_scale_bits", 16, "32 or 8"),
+        ("zero_optimization.zeropp.grad_block_size", 48, "a power of two from 8 to 65536"),
         ("zero_optimization.zeropp.weight_code", "minmax", "'symmetric' or 'asymmetric'"),
         ("zero_optimization.zeropp.blocksize", 64, "accepts only block_size, weight_bits"),
         ("bf16", True, "a JSON object"),

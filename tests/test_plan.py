@@ -21,10 +21,10 @@ from zeropp.plan import calibrate, cost, emulated, recommend, scale, traffic
 from zeropp.plan import model as model_shape
 from zeropp.topology import Topology
 
-TRAFFIC_JOB = WorkerConfig(modes=(*BENCH_MODES, "all_hier"), warmup_steps=0, steps=1, batch_size=12, context_length=18,
-                           num_layers=2, embed_dim=48, num_heads=2)
-"""The bench's six modes and qwZ's two-hop gather, on a GPT whose dims 0 (84 characters, 18
-positions) leave FSDP2 padding on six ranks; one step each."""
+TRAFFIC_JOB = WorkerConfig(modes=(*BENCH_MODES, "all_hier", "all_scale8"), warmup_steps=0, steps=1, batch_size=12,
+                           context_length=18, num_layers=2, embed_dim=48, num_heads=2)
+"""The bench's six modes, qwZ's two-hop gather and qgZ's 8-bit block scales, on a GPT whose dims
+0 (84 characters, 18 positions) leave FSDP2 padding on six ranks; one step each."""
 
 
 def _traffic_job(rank: int, world_size: int, config: WorkerConfig) -> dict | None:

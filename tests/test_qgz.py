@@ -104,7 +104,8 @@ def reference_and_bound(inputs: list[torch.Tensor], topology: Topology, rank: in
 
 
 LAYOUTS = {4: [(1, 4), (4, 1), (2, 2)], 6: [(2, 3), (3, 2)], 8: [(2, 4)]}
-CODES = [GradientCode(rotation="hadamard", levels="normal"), GradientCode(rotation="hadamard", rounding="stochastic")]
+CODES = [GradientCode(rotation="hadamard", levels="normal"), GradientCode(rotation="hadamard", rounding="stochastic"),
+         GradientCode(levels="normal", scale_bits=8)]
 
 
 def _block_factors(values: torch.Tensor, segments: list[int], bits: int,
@@ -130,6 +131,20 @@ def _block_factors(values: torch.Tensor, segments: list[int], bits: int,
             factors.append(block.shape[1] ** 0.5 * per_element)
         offset += numel
     return torch.stack(absmaxes, dim=1), torch.tensor(factors, dtype=torch.float64)
+
+
+def _scale_absmax(absmax: torch.Tensor, segments: list[int], code: GradientCode) -> torch.Tensor:
+    """``absmax`` (rows, num_blocks) raised to what the code's scale covers: with 8-bit scales
+    one step (2**(1/32)) above it, plus the floor 2**(-254/32) under its group's largest
+    (a group is 16 blocks of one segment; here each segment is one group)."""
+    if not code.grouped_scales:
+        return absmax
+    parts, first = [], 0
+    for numel in segments:
+        group = absmax[:, first:first + -(-numel // BLOCK)]
+        parts.append(group * 2 ** (1 / 32) * (1 + 1e-6) + group.amax(dim=1, keepdim=True) * 2 ** (-254 / 32))
+        first += group.shape[1]
+    return torch.cat(parts, dim=1)
 
 
 def _blocks_l2(values: torch.Tensor, segments: list[int]) -> torch.Tensor:
@@ -158,11 +173,11 @@ def reference_and_block_bound(inputs: list[torch.Tensor], topology: Topology, ra
         e1 = torch.zeros_like(total)
         if senders:
             absmax, factor = _block_factors(mine[senders], segments, bits_intra, code)
-            e1 = (absmax * factor).sum(0)
+            e1 = (_scale_absmax(absmax, segments, code) * factor).sum(0)
         total += e1
         if node != my_node:
             absmax, factor = _block_factors(mine[ranks].sum(0, keepdim=True), segments, bits_inter, code)
-            total += factor * (absmax[0] + e1)
+            total += factor * _scale_absmax(absmax + e1, segments, code)[0]
     rounding = 1e-5 * _blocks_l2(mine.abs().sum(0), segments) + 1e-30
     return mine.sum(0), total + rounding
 
@@ -227,7 +242,8 @@ def _qgz_worker(rank: int, world_size: int) -> list[dict]:
 def test_hierarchical_reduce_scatter_within_bound(world_size: int) -> None:
     """Against the exact fp32 mean for layouts 1x4, 4x1, 2x2, 2x3, 3x2, 2x4, INT4/INT4 and
     INT8/INT4, fp32 and bf16: every element within the two-hop bound of reference_and_bound; with
-    the lower-error codes (rotation with normal levels, rotation with stochastic rounding), every
+    the lower-error codes (rotation with normal levels, rotation with stochastic rounding, normal
+    levels with 8-bit block scales), every
     block within the L2 bound of reference_and_block_bound."""
     all_ranks = run_distributed(_qgz_worker, world_size)
     worst: dict = {}  # (layout, dtype) -> (max error, max bound) over the ranks; shown with -s

@@ -45,11 +45,21 @@ class Segment:
     asymmetric: bool = False
     """Coded with ``zeropp.weightcode``'s asymmetric code (a scale and a center per block)
     instead of ``quant``'s symmetric one."""
+    grouped_scales: bool = False
+    """Block scales as 8-bit codes under one fp32 scale per ``gradcode.SCALE_GROUP`` blocks
+    (qgZ's ``scale_bits=8``, [Note: grouped scales] in ``zeropp.gradcode``)."""
+
+    @property
+    def blocks_per_scale(self) -> int:
+        """Blocks per fp32 scale: the unit in which the payload lays out blocks and scales."""
+        return gradcode.SCALE_GROUP if self.grouped_scales else 1
 
     @property
     def param_bytes(self) -> int:
-        """Bytes per block beside the codes."""
-        return weightcode.PARAM_BYTES if self.asymmetric else _SCALE_BYTES
+        """Bytes per unit of ``blocks_per_scale`` blocks beside the codes."""
+        if self.asymmetric:
+            return weightcode.PARAM_BYTES
+        return _SCALE_BYTES + (gradcode.SCALE_GROUP if self.grouped_scales else 0)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -73,6 +83,11 @@ class ChunkCodec:
         self.byte_mode = dtype == torch.uint8 and any(s.dtype not in (None, torch.uint8) for s in self.segments)
         if self.byte_mode and any(s.dtype is None for s in self.segments):
             raise ValueError("a byte-buffer chunk needs every segment's dtype (Segment.dtype)")
+        grouped = {s.grouped_scales for s in self.segments if s.bits is not None}
+        if grouped and grouped != {self.code is not None and self.code.grouped_scales}:
+            raise ValueError(f"the gradient code {self.code} and the segments' grouped_scales disagree: build the "
+                             "segments with segments_for(..., grouped_scales=code.grouped_scales); got segments "
+                             f"{self.segments}")
         self._spans: list[tuple[int, int, int, int]] = []  # input offset, input length, byte offset, bytes
         input_offset = byte_offset = 0
         for segment in self.segments:
@@ -172,8 +187,9 @@ def segment_bytes(segment: Segment, block_size: int, dtype: torch.dtype, byte_mo
     slice itself in its dtype (``dtype``, the chunk's, unless in byte mode)."""
     if segment.bits is None:
         return segment.numel * (segment.dtype if byte_mode else dtype).itemsize
-    extra_per_block = segment.param_bytes - _SCALE_BYTES
-    return packed_numel(segment.numel, segment.bits, block_size) + extra_per_block * -(-segment.numel // block_size)
+    unit = block_size * segment.blocks_per_scale
+    extra_per_unit = segment.param_bytes - _SCALE_BYTES
+    return packed_numel(segment.numel, segment.bits, unit) + extra_per_unit * -(-segment.numel // unit)
 
 
 def payload_bytes(segments: Sequence[Segment], block_size: int, dtype: torch.dtype) -> int:
@@ -185,10 +201,11 @@ def payload_bytes(segments: Sequence[Segment], block_size: int, dtype: torch.dty
 
 def segments_for(padded_numels: Sequence[int], quantize: Sequence[bool], group_size: int,
                  bits: int, dtypes: Sequence[torch.dtype | None] | None = None,
-                 asymmetric: bool = False) -> list[Segment]:
+                 asymmetric: bool = False, grouped_scales: bool = False) -> list[Segment]:
     """Each parameter's slice of one chunk when its padded numel is split over ``group_size``;
     ``dtypes``: each parameter's gather dtype (for units that mix dtypes); ``asymmetric``: the
-    quantized slices take ``zeropp.weightcode``'s code."""
+    quantized slices take ``zeropp.weightcode``'s code; ``grouped_scales``: their block scales
+    travel as 8-bit codes (``Segment.grouped_scales``)."""
     dtypes = dtypes if dtypes is not None else [None] * len(padded_numels)
     segments = []
     for numel, quantized, dtype in zip(padded_numels, quantize, dtypes, strict=True):
@@ -196,14 +213,15 @@ def segments_for(padded_numels: Sequence[int], quantize: Sequence[bool], group_s
             raise ValueError(f"a parameter's padded numel {numel} is not divisible by the group "
                              f"size {group_size}; FSDP2 pads dim 0 to the world size, so the group "
                              "must divide the world size")
-        segments.append(Segment(numel // group_size, bits if quantized else None, dtype, quantized and asymmetric))
+        segments.append(Segment(numel // group_size, bits if quantized else None, dtype, quantized and asymmetric,
+                                quantized and grouped_scales))
     return segments
 
 
 def _one_pass_applies(codec: ChunkCodec) -> bool:
     """Whether ``codec`` can be coded in one pass: one dtype (no byte mode) and one code (width
     and symmetry)."""
-    widths = {(s.bits, s.asymmetric) for s in codec.segments if s.bits is not None and s.numel}
+    widths = {(s.bits, s.asymmetric, s.grouped_scales) for s in codec.segments if s.bits is not None and s.numel}
     return not codec.byte_mode and len(widths) == 1 and codec.dtype in quant.INPUT_DTYPES
 
 
@@ -251,17 +269,20 @@ class _OnePassPlan:
     """
 
     def __init__(self, codec: ChunkCodec) -> None:
-        block_size, itemsize = codec.block_size, codec.dtype.itemsize
-        self.codec, self.block_size = codec, block_size
+        itemsize = codec.dtype.itemsize
         first = next(s for s in codec.segments if s.bits is not None and s.numel)
-        self.bits, self.asymmetric, param_bytes = first.bits, first.asymmetric, first.param_bytes
+        self.bits, self.asymmetric, self.param_bytes = first.bits, first.asymmetric, first.param_bytes
+        param_bytes = self.param_bytes
+        # blocks and scales are laid out per unit: one block, or a group sharing an fp32 scale
+        block_size = codec.block_size * first.blocks_per_scale
+        self.codec, self.block_size, self.grouped = codec, block_size, first.grouped_scales
         code_bytes_per_block = block_size * self.bits // 8
         # splits of each source (lists of piece sizes along dim 1) ...
         lengths, pads, codes, scales, chunk_bytes, zero_bytes = [], [], [], [], [], []
         payload, payload_elements, junk, values = [], [], [], []
         # ... and, per layout, the pieces it is made of: (source, piece)
         to_blocks, to_payload, to_codes, to_scales, to_out = [], [], [], [], []
-        whole = []  # per block of a row: does it hold a whole block of its segment (no padding)?
+        whole = []  # per scaled block of a row: does it hold a whole block of its segment (no padding)?
         for segment, (_, length, _, nbytes) in zip(codec.segments, codec._spans, strict=True):
             lengths.append(length)
             chunk_bytes.append(length * itemsize)
@@ -274,7 +295,8 @@ class _OnePassPlan:
                 payload_elements += [length, (padded - nbytes) // itemsize]
                 continue
             num_blocks = -(-length // block_size)
-            whole += [True] * (length // block_size) + [False] * (num_blocks - length // block_size)
+            num_whole = length // codec.block_size
+            whole += [True] * num_whole + [False] * (num_blocks * block_size // codec.block_size - num_whole)
             data_bytes = nbytes - num_blocks * param_bytes
             to_blocks += [(0, len(lengths) - 1), (1, len(pads))]
             pads.append(num_blocks * block_size - length)
@@ -308,28 +330,39 @@ class _OnePassPlan:
 
     def _scales_and_codes(self, blocks: Tensor, fresh: bool,
                           generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
-        """The block code of (num_blocks, B) fp32 blocks: quant's, weightcode's (scales are then
-        (num_blocks, 2) pairs), or the codec's gradient code."""
+        """The block code of (num_units, unit) fp32 blocks: the scales' bytes per unit (quant's
+        fp32 scale, weightcode's (scale, center) pair, or a group's fp32 scale and block codes)
+        and the integer-valued codes per element."""
         code = self.codec.code
         if self.asymmetric:
             params = weightcode.block_params(blocks, self.bits)
-            return params, weightcode.block_codes(blocks, params, self.bits)
+            return params.view(torch.uint8), weightcode.block_codes(blocks, params, self.bits)
         if code is None:
             scales = quant._block_scales(blocks, self.bits)
-            return scales, quant._block_codes(blocks, scales, overwrite=fresh)
+            return scales[:, None].view(torch.uint8), quant._block_codes(blocks, scales, overwrite=fresh)
+        blocks = blocks.view(-1, self.codec.block_size)
         if code.rotation == "hadamard":
             blocks = gradcode.rotate(blocks, self._whole(len(blocks), blocks.device))
-        scales = gradcode.block_scales(blocks, self.bits, code)
-        return scales, gradcode.block_codes(blocks, scales, self.bits, code, generator)
+        if not self.grouped:
+            scales = gradcode.block_scales(blocks, self.bits, code)
+            return scales[:, None].view(torch.uint8), gradcode.block_codes(blocks, scales, self.bits, code, generator)
+        top, scale_codes, codes = gradcode.grouped_block_code(blocks, self.bits, code, generator)
+        return torch.cat((top[:, None].view(torch.uint8), scale_codes), dim=1), codes
 
-    def _values(self, codes: Tensor, scales: Tensor) -> Tensor:
-        """Decoded fp32 blocks (num_blocks, B) from codes (num_blocks, B) and scales (num_blocks,)
-        or, for the asymmetric code, (scale, center) pairs (num_blocks, 2)."""
+    def _values(self, codes: Tensor, params: Tensor) -> Tensor:
+        """Decoded fp32 values from codes (num_units, unit) and the scales' bytes per unit
+        (num_units, param_bytes), as ``_scales_and_codes`` wrote them."""
         code = self.codec.code
         if self.asymmetric:
-            return weightcode.block_values(codes, scales.view(-1, 2))
+            return weightcode.block_values(codes, params.view(torch.float32))
         if code is None:
-            return codes.mul_(scales[:, None])
+            return codes.mul_(params.view(torch.float32))
+        codes = codes.view(-1, self.codec.block_size)
+        if self.grouped:
+            top = params[:, :_SCALE_BYTES].contiguous().view(torch.float32).view(-1)
+            scales = gradcode.decode_group_scales(top, params[:, _SCALE_BYTES:]).view(-1)
+        else:
+            scales = params.view(torch.float32).view(-1)
         values = gradcode.block_values(codes, scales, self.bits, code)
         if code.rotation == "hadamard":
             values = gradcode.rotate(values, self._whole(len(values), values.device), inverse=True)
@@ -342,8 +375,8 @@ class _OnePassPlan:
         else:
             pieces = self.blocks.split([chunks, chunks.new_zeros((rows, self.num_pad))])
             blocks, fresh = self.blocks.cat(pieces).float().view(-1, block_size), True
-        scales, codes = self._scales_and_codes(blocks, fresh, generator)
-        sources = [quant.pack_codes(codes.view(rows, -1), self.bits), scales.view(rows, -1).view(torch.uint8)]
+        params, codes = self._scales_and_codes(blocks, fresh, generator)
+        sources = [quant.pack_codes(codes.view(rows, -1), self.bits), params.reshape(rows, -1)]
         if self.has_raw:
             sources += [chunks.view(torch.uint8), chunks.new_zeros((rows, self.num_zero_bytes), dtype=torch.uint8)]
         self.payload.cat(self.payload.split(sources), out=out)
@@ -352,8 +385,8 @@ class _OnePassPlan:
         rows, block_size = packed.shape[0], self.block_size
         pieces = self.codes.split([packed, packed.new_zeros((rows, self.num_junk))])
         codes = quant.unpack_codes(self.codes.cat(pieces), self.bits)
-        scales = self.scales.cat(pieces).view(torch.float32)
-        values = self._values(codes.view(-1, block_size), scales.reshape(-1)).view(rows, -1)
+        params = self.scales.cat(pieces).view(-1, self.param_bytes)
+        values = self._values(codes.view(-1, block_size), params).view(rows, -1)
         if self.aligned:
             out.copy_(values)
         else:

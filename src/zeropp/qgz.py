@@ -102,10 +102,12 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
         key = (chunk_numel, bits)
         if key not in self._codecs:
             world_size = self.topology.world_size
+            grouped = self.code.grouped_scales
             if sum(self.padded_numels) == chunk_numel * world_size:
-                segments = segments_for(self.padded_numels, [True] * len(self.padded_numels), world_size, bits)
+                segments = segments_for(self.padded_numels, [True] * len(self.padded_numels), world_size, bits,
+                                        grouped_scales=grouped)
             else:
-                segments = segments_for([chunk_numel], [True], 1, bits)
+                segments = segments_for([chunk_numel], [True], 1, bits, grouped_scales=grouped)
             self._codecs[key] = ChunkCodec(segments, self.block_size, torch.float32, self.code)
         return self._codecs[key]
 

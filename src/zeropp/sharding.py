@@ -241,7 +241,7 @@ def _install_comms(module: FSDPModule, groups: ProcessGroups, config: ZeroPPConf
         trainable = [n for n, t in zip(layout.padded_numels, layout.trainable) if t]
         reduce_scatter = HierarchicalQuantizedReduceScatter(
             groups, trainable, bits_intra=config.grad_bits_intra, bits_inter=config.grad_bits_inter,
-            block_size=config.block_size, error_feedback=config.error_feedback, code=config.gradient_code)
+            block_size=config.gradient_block_size, error_feedback=config.error_feedback, code=config.gradient_code)
     else:
         reduce_scatter = CountingReduceScatter(groups.topology)
     if config.overlap:

@@ -162,8 +162,9 @@ def _reduce(unit: UnitShape, padded: list[int], config: ZeroPPConfig, topology: 
     for bits, size, kind, rows in ((config.grad_bits_intra, ranks_per_node, GroupKind.INTRA, num_nodes),
                                    (config.grad_bits_inter, num_nodes, GroupKind.INTER, 1)):
         if size > 1:
-            segments = segments_for(trainable, [True] * len(trainable), world, bits)
-            per_row = payload_bytes(segments, config.block_size, torch.float32)
+            segments = segments_for(trainable, [True] * len(trainable), world, bits,
+                                    grouped_scales=config.gradient_code.grouped_scales)
+            per_row = payload_bytes(segments, config.gradient_block_size, torch.float32)
             kind = GroupKind.WORLD if size == world else kind
             coded = 2 * (size - 1) * rows * chunk  # rows sent are encoded, rows received decoded
             transfers.append(Transfer(Op.ALL_TO_ALL, kind, size, rows * per_row, "backward", "qgZ", f"int{bits}",
