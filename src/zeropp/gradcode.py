@@ -214,9 +214,9 @@ def grouped_block_code(blocks: Tensor, bits: int, code: GradientCode,
     if code.rounding != "nearest" or num_steps == 1:
         return top, scale_codes, codes
     error = _squared_error(codes, decoded, blocks, bits, code)
-    flat_codes = scale_codes.view(-1)
+    first = flat_codes = scale_codes.view(-1)
     for step in range(1, num_steps):
-        candidate = torch.where(flat_codes < 255, (flat_codes.long() + step).clamp_(max=254), 255)
+        candidate = torch.where(first < 255, (first.long() + step).clamp_(max=254), 255)
         candidate_scales = decode_group_scales(top, candidate.view(-1, SCALE_GROUP)).view(-1)
         candidate_codes = block_codes(blocks, candidate_scales, bits, code, None)
         candidate_error = _squared_error(candidate_codes, candidate_scales, blocks, bits, code)
