@@ -249,3 +249,19 @@ def test_grouped_scales_need_grouped_segments() -> None:
         ChunkCodec([Segment(512, 4, grouped_scales=True)], BLOCK, torch.float32, GradientCode(levels="normal"))
     with pytest.raises(ValueError, match="scale_bits=16 is not allowed; allowed: 32, 8"):
         GradientCode(scale_bits=16)
+
+
+def test_the_scale_search_clips_only_whole_blocks() -> None:
+    """Rounding to nearest may pick a scale below a whole block's own (clipping within half a
+    gap, for less squared error), never below a short tail's: the blocks marked not whole
+    keep a scale at or above their absmax."""
+    blocks = torch.randn(64, BLOCK, generator=torch.Generator().manual_seed(5))
+    whole = torch.arange(64) % 4 != 3
+    code = GradientCode(levels="normal", scale_bits=8)
+    top, scale_codes, _ = gradcode.grouped_block_code(blocks, 4, code, None, whole)
+    decoded = gradcode.decode_group_scales(top, scale_codes).view(-1)
+    absmax = blocks.abs().amax(dim=1)
+    assert (decoded[~whole] >= absmax[~whole]).all()
+    assert (decoded[whole] < absmax[whole]).any()
+    reach = 1 + gradcode.max_level_gap(4, BLOCK, code) / 2
+    assert (decoded * reach >= absmax).all()

@@ -346,7 +346,8 @@ class _OnePassPlan:
         if not self.grouped:
             scales = gradcode.block_scales(blocks, self.bits, code)
             return scales[:, None].view(torch.uint8), gradcode.block_codes(blocks, scales, self.bits, code, generator)
-        top, scale_codes, codes = gradcode.grouped_block_code(blocks, self.bits, code, generator)
+        top, scale_codes, codes = gradcode.grouped_block_code(blocks, self.bits, code, generator,
+                                                              self._whole(len(blocks), blocks.device))
         return torch.cat((top[:, None].view(torch.uint8), scale_codes), dim=1), codes
 
     def _values(self, codes: Tensor, params: Tensor) -> Tensor:

@@ -49,9 +49,14 @@ SCALE_STEPS)`` (k_j <= 254, from a fixed fp32 table, so every rank decodes the s
 to ``SCALE_SEARCH - 1`` levels below it and keeps the one whose coding has the least squared
 error on the block (MSE-optimal clipping, as weight quantizers grid-search their clipping
 ratio), but only levels at which clipping stays within half a level gap: with outer level
-``L``, ``L * (s_j - s'_j) <= s'_j * gap / 2``. So in every case an element's error is at most
-half the largest gap times ``s'_j`` (a whole gap for stochastic rounding, which does not
-search: clipping would bias it), and ``s'_j`` is at most one step above ``s_j`` or the floor.
+``L``, ``L * (s_j - s'_j) <= s'_j * gap / 2``, and only in whole blocks. In a parameter's short
+tail (a LayerNorm's 8-element slice at 384 ranks) the largest value carries most of the block,
+clipping it biases the block's largest gradient towards zero on every rank alike, and the
+bias adds up in the sum where the errors elsewhere average out: with every block searched the
+demo GPT's gradients at 48 x 8 came out at 1.80x plain INT4/INT4's error, with whole blocks
+only 0.88x. In every case an element's error is at most half the largest gap times ``s'_j`` (a
+whole gap for stochastic rounding, which does not search: clipping would bias it), and
+``s'_j`` is at most one step above ``s_j`` or the floor.
 A non-finite value makes ``top`` NaN and its whole group decode to NaN (overflow stays
 visible). At 4 bits, blocks of 64 and groups of 16: 4 + (32 + 16 * 8) / 1024 = 4.156 bits
 per element, against 4.125 for blocks of 256 with fp32 scales (+0.8%). llama.cpp's k-quants
@@ -197,13 +202,13 @@ def decode_group_scales(top: Tensor, codes: Tensor) -> Tensor:
     return top[:, None] * _scale_levels(str(codes.device))[codes.long()]
 
 
-def grouped_block_code(blocks: Tensor, bits: int, code: GradientCode,
-                       generator: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor]:
+def grouped_block_code(blocks: Tensor, bits: int, code: GradientCode, generator: torch.Generator | None,
+                       whole: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """The code of (num_blocks, B) fp32 blocks with 8-bit scales, num_blocks a multiple of
     ``SCALE_GROUP``: the groups' fp32 scales (num_groups,), the blocks' uint8 scale codes
     (num_groups, SCALE_GROUP) and the integer-valued element codes (num_blocks, B). Rounding to
-    nearest takes, per block, the scale of least squared error among the searched ones
-    ([Note: grouped scales])."""
+    nearest takes, per whole block (``whole`` (num_blocks,) True, or None for all), the scale of
+    least squared error among the searched ones ([Note: grouped scales])."""
     scales = block_scales(blocks, bits, code)
     top, scale_codes = group_scales(scales.view(-1, SCALE_GROUP))
     decoded = decode_group_scales(top, scale_codes).view(-1)
@@ -221,6 +226,8 @@ def grouped_block_code(blocks: Tensor, bits: int, code: GradientCode,
         candidate_codes = block_codes(blocks, candidate_scales, bits, code, None)
         candidate_error = _squared_error(candidate_codes, candidate_scales, blocks, bits, code)
         better = (candidate_error < error) & (candidate_scales * reach >= scales)
+        if whole is not None:
+            better &= whole
         error = torch.where(better, candidate_error, error)
         codes = torch.where(better[:, None], candidate_codes, codes)
         flat_codes = torch.where(better, candidate.to(torch.uint8), flat_codes)
