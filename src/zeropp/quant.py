@@ -78,15 +78,15 @@ MAX_BLOCK_SIZE = 65536
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OUTPUT_DTYPES = (*INPUT_DTYPES, torch.float64)
 _SCALE_BYTES = 4  # fp32
-KERNELS = ("native", "torch", "auto", "triton")
-"""``native`` (the default): the C kernels (``zeropp.native``) for CPU tensors they take (2, 4
-and 8 bits, fp32 and bf16, where a C compiler built them), the torch path for everything else;
-``torch``: always the torch path; ``auto``: ``native``, and the Triton kernels
-(``zeropp.quant_triton``) for CUDA tensors when Triton imports; ``triton``: the Triton kernels,
-and an error for tensors they cannot take. Every path gives the same bytes and values. The
-Triton kernels have been checked bit-for-bit against the torch path in Triton's CPU
-interpreter but not yet on a GPU, so they are opt-in until they are."""
-_kernel = "native"
+KERNELS = ("auto", "native", "torch", "triton")
+"""``auto`` (the default): the C kernels (``zeropp.native``) for CPU tensors they take (2, 4 and
+8 bits, fp32 and bf16, where a C compiler built them), the Triton kernels
+(``zeropp.quant_triton``) for CUDA tensors at 4 and 8 bits when Triton imports, the torch path
+for everything else; ``native``: the C kernels, and the torch path for everything else, CUDA
+included; ``torch``: always the torch path; ``triton``: the Triton kernels, and an error for
+tensors they cannot take. Every path gives the same bytes and values: the C kernels are checked
+against the torch path on CPU, the Triton kernels on an H100 (``tests/test_quant_triton.py``)."""
+_kernel = "auto"
 
 
 def set_kernel(name: str) -> str:
@@ -249,7 +249,9 @@ def _block_scales(blocks: Tensor, bits: int) -> Tensor:
     qmax = 2 ** (bits - 1) - 1
     absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_())  # both keep NaN
     absmax.add_(0.0)  # an all-zero block can give -0 (max(-0, +0) depends on vectorisation): make it +0
-    scales = absmax / qmax
+    # a true division: CUDA divides by a Python number through its reciprocal (a * (1 / qmax)),
+    # which can land one ulp off the correctly rounded quotient that the kernels compute
+    scales = absmax / torch.full_like(absmax, qmax)
     subnormal = (scales < torch.finfo(torch.float32).tiny) & (absmax > 0)
     scales = torch.where(subnormal, scales.nextafter(torch.full_like(scales, torch.inf)), scales)
     overflows = torch.isinf(scales * qmax) & torch.isfinite(absmax)
@@ -553,4 +555,4 @@ def error_bound(scales: Tensor, block_size: int, numel: int) -> Tensor:
     return (scales.reshape(-1, 1) / 2).expand(-1, block_size).reshape(-1)[:numel]
 
 
-set_kernel(os.environ.get("ZEROPP_QUANT_KERNEL", "native"))
+set_kernel(os.environ.get("ZEROPP_QUANT_KERNEL", "auto"))

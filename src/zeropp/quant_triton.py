@@ -37,8 +37,6 @@ BITS = (4, 8)
 """The code widths the kernels take; ``zeropp.quant`` codes the others with its torch path."""
 
 _ELEMENTS_PER_PROGRAM = 4096
-_FP32_TINY = 1.1754943508222875e-38  # smallest normal fp32
-_ROUNDING_MAGIC = 12582912.0  # 1.5 * 2**23: (v + M) - M rounds |v| < 2**22 half to even
 
 
 def available(device: torch.device) -> bool:
@@ -47,6 +45,10 @@ def available(device: torch.device) -> bool:
 
 
 if triton is not None:
+    # a kernel reads a global only when it is a constexpr (Triton >= 3.x compiles; the interpreter
+    # would read a plain float too)
+    _FP32_TINY = tl.constexpr(1.1754943508222875e-38)  # smallest normal fp32
+    _ROUNDING_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: (v + M) - M rounds |v| < 2**22 half to even
 
     @triton.jit
     def _block_scale(absmax, finite, QMAX: tl.constexpr):

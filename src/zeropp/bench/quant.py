@@ -125,7 +125,12 @@ def _compiled_block_code(blocks: torch.Tensor, bits: int) -> tuple[Callable[[], 
     def decode(code_bytes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         return quant.unpack_codes(code_bytes, bits).view(-1, BLOCK_SIZE).mul_(scales[:, None])
 
-    compiled_encode, compiled_decode = torch.compile(encode), torch.compile(decode)
+    # A fresh compile for every width and size: without the reset, dynamo's recompile limit (8
+    # per function) silently falls back to eager for the later ones; dynamic=False, or a
+    # recompile would make ``bits`` symbolic and inductor emits a float64 shift in its Triton
+    # (torch 2.11, CUDA).
+    torch._dynamo.reset()
+    compiled_encode, compiled_decode = torch.compile(encode, dynamic=False), torch.compile(decode, dynamic=False)
     coded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def run_encode() -> None:
@@ -154,7 +159,8 @@ def _throughput_rows(
     for kernel in _kernels(device, dtype):
         previous = set_kernel(kernel if kernel in ("triton", "native") else "torch")
         try:
-            for bits in (b for b in BITS if kernel != "native" or b in native.BITS):
+            kernel_bits = {"native": native.BITS, "triton": quant_triton.BITS}.get(kernel, BITS)
+            for bits in (b for b in BITS if b in kernel_bits):
                 num_bytes = packed_numel(numel, bits, BLOCK_SIZE)
                 packed = torch.empty(num_bytes, dtype=torch.uint8, device=device)
                 encode, decode, first_call_s = _coders(kernel, x, bits, packed, decoded)
