@@ -3,7 +3,7 @@
 * The Triton kernels compile for Hopper (sm_90) wherever Triton is installed, GPU or not: the
   interpreter runs kernels that the compiler refuses (it reads plain global floats, which Triton
   kernels may not).
-* The torch path's scales are the correctly rounded quotient ``absmax / qmax`` on every device.
+* The torch path's scales (and the asymmetric code's) are correctly rounded quotients on every device.
   CUDA divides by a Python number through its reciprocal, one ulp off in places; the C and
   Triton kernels divide exactly, so the torch path must too for the three to agree.
 * On a CUDA device the torch path gives the CPU's bytes, and zeropp trains on CUDA tensors: four
@@ -23,7 +23,7 @@ import torch
 import zeropp
 from distributed import run_distributed
 from models import global_batch, make_model, rows
-from zeropp import quant, quant_triton
+from zeropp import quant, quant_triton, weightcode
 from zeropp.modes import MODES
 
 CUDA = torch.cuda.is_available()
@@ -71,6 +71,19 @@ def test_scales_are_correctly_rounded_quotients(device, bits):
     scales = quant._block_scales(blocks.to(device), bits).cpu()
     wrong = (scales != exact).sum().item()
     assert wrong == 0, f"{wrong} of {absmax.numel()} scales on {device} are not absmax / {qmax} rounded once"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits", (2, 4, 8))
+def test_asymmetric_scales_are_correctly_rounded_quotients(device, bits):
+    g = torch.Generator().manual_seed(bits)
+    blocks = torch.exp(torch.empty(1 << 14, 8).uniform_(-60.0, 60.0, generator=g)).float()
+    blocks[::2] *= -1
+    half_range = blocks.amax(dim=1) * 0.5 - blocks.amin(dim=1) * 0.5  # as block_params forms it, in fp32
+    exact = (half_range.double() / ((2**bits - 1) / 2)).float()
+    scales = weightcode.block_params(blocks.to(device), bits)[:, 0].cpu()
+    wrong = (scales != exact).sum().item()
+    assert wrong == 0, f"{wrong} of {blocks.shape[0]} asymmetric scales on {device} are not rounded once"
 
 
 @needs_cuda

@@ -41,7 +41,7 @@ def block_params(blocks: Tensor, bits: int) -> Tensor:
     half_steps = (2**bits - 1) / 2
     half_lo, half_hi = blocks.amin(dim=1).mul_(0.5), blocks.amax(dim=1).mul_(0.5)  # both keep NaN
     center = half_lo + half_hi
-    scale = (half_hi - half_lo).div_(half_steps)
+    scale = (half_hi - half_lo).div_(torch.full_like(half_hi, half_steps))  # exact on CUDA too (quant._block_scales)
     overflows = torch.isinf(center.abs() + scale * half_steps) & torch.isfinite(scale)
     scale = torch.where(overflows, scale.nextafter(torch.zeros_like(scale)), scale)
     finite = torch.isfinite(scale) & torch.isfinite(center)
