@@ -152,6 +152,22 @@ def test_stochastic_rounding_without_a_generator_is_refused() -> None:
         codec.encode(torch.randn(1, 64), torch.empty((1, codec.nbytes), dtype=torch.uint8))
 
 
+@pytest.mark.parametrize("bits,block_size", [(2, 32), (4, 64), (4, 256)])
+def test_nearest_fields_equal_bucketize(bits: int, block_size: int) -> None:
+    """The encoder's midpoint count is ``torch.bucketize`` on the midpoints, ties included: on
+    Gaussian values, on every midpoint and its float neighbours of both signs, +-0, the smallest
+    subnormal and the fp32 extremes."""
+    table = gradcode._level_table(bits, block_size, "cpu")
+    midpoints = (table[1:] + table[:-1]) / 2
+    inf = torch.tensor(math.inf)
+    near = torch.cat((midpoints, torch.nextafter(midpoints, inf), torch.nextafter(midpoints, -inf)))
+    extremes = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 3.4028235e38, -3.4028235e38, 1.0, -1.0])
+    units = torch.cat((torch.randn(1 << 16, generator=torch.Generator().manual_seed(bits)), near, -near, extremes))
+    fields = gradcode._nearest_fields(units, table)
+    assert fields.dtype == torch.uint8
+    assert torch.equal(fields.long(), torch.bucketize(units, midpoints))
+
+
 @pytest.mark.parametrize("block_size,ratio", [(256, 0.62), (64, 0.70)])
 def test_normal_levels_cut_the_gaussian_mean_square_error(block_size: int, ratio: float) -> None:
     """Fitted levels are symmetric, increasing, end at 1, and on fresh Gaussian blocks give at

@@ -251,14 +251,26 @@ def block_codes(blocks: Tensor, scales: Tensor, bits: int, code: GradientCode,
         if code.rounding == "nearest":  # clamped: a searched scale ([Note: grouped scales]) may clip
             return units.round_().clamp_(-qmax, qmax)
         return units.add_(_uniform(units, generator)).floor_().clamp_(-qmax, qmax)
-    edges = (table[1:] + table[:-1]) / 2
     if code.rounding == "nearest":
-        fields = torch.bucketize(units, edges)
+        fields = _nearest_fields(units, table)
     else:  # lo = the last level <= units; go up with probability (units - lo) / gap
         lower = (torch.bucketize(units, table, right=True) - 1).clamp_(0, len(table) - 2)
         gap = table[lower + 1] - table[lower]
         fields = lower + (_uniform(units, generator) * gap < units - table[lower])
     return fields.float().sub_(2 ** (bits - 1))
+
+
+def _nearest_fields(units: Tensor, table: Tensor) -> Tensor:
+    """The field (uint8) of the level nearest to each finite value of ``units``, ties going
+    down: how many midpoints between adjacent levels lie strictly below it, as
+    ``torch.bucketize(units, midpoints)`` counts them. One comparison per midpoint is 2.2x
+    faster than bucketize's per-element binary search on CPU at 16 levels (a symmetric variant
+    with half the comparisons was slower: ``torch.nextafter`` and the selects cost more)."""
+    fields = torch.zeros(units.shape, dtype=torch.uint8, device=units.device)
+    above = torch.empty(units.shape, dtype=torch.bool, device=units.device)
+    for midpoint in ((table[1:] + table[:-1]) / 2).tolist():  # fp32 values: the comparison is exact
+        fields.add_(torch.gt(units, midpoint, out=above).view(torch.uint8))  # a bool is one byte, 0 or 1
+    return fields
 
 
 def _uniform(like: Tensor, generator: torch.Generator | None) -> Tensor:
