@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 
 import pytest
 import torch
@@ -140,3 +141,34 @@ def test_zeropp_trains_on_cuda_tensors(mode):
         for name, shard in cpu["shards"].items():
             a, b = torch.tensor(shard), torch.tensor(gpu["shards"][name])
             assert (a - b).norm() <= 1e-2 * a.norm() + 1e-12, f"rank {rank} {name}: {(a - b).norm() / a.norm():.2e}"
+
+
+def test_a_failing_triton_kernel_falls_back_to_the_torch_path_under_auto(monkeypatch):
+    """A GPU or Triton version the kernels do not compile for: ``auto`` warns once and codes
+    with the torch path (the same bytes), ``triton`` raises. Simulated on CPU tensors."""
+    def broken(*args):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(quant_triton, "available", lambda device: True)
+    monkeypatch.setattr(quant_triton, "encode_rows", broken)
+    monkeypatch.setattr(quant_triton, "decode_rows", broken)
+    monkeypatch.setattr(quant, "_TRITON_FAILED", set())
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    previous = quant.set_kernel("torch")
+    try:
+        expected = quant.quantize_packed(x, 4, 32)
+        expected_values = quant.dequantize_packed(expected, 4, 32, x.numel(), torch.float32)
+        quant.set_kernel("triton")
+        with pytest.raises(RuntimeError, match="no kernel image"):
+            quant.quantize_packed(x, 4, 32)
+        quant.set_kernel("auto")
+        with pytest.warns(RuntimeWarning, match="Triton quantization kernels failed on cpu"):
+            packed = quant.quantize_packed(x, 4, 32)
+        assert torch.equal(packed, expected)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once only: the device now takes the torch path
+            decoded = quant.dequantize_packed(packed, 4, 32, x.numel(), torch.float32)
+            assert torch.equal(quant.quantize_packed(x, 4, 32), expected)
+        assert torch.equal(decoded, expected_values)
+    finally:
+        quant.set_kernel(previous)

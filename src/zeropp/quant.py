@@ -47,6 +47,7 @@ import math
 import os
 import sys
 import threading
+import warnings
 
 import torch
 from torch import Tensor
@@ -109,9 +110,14 @@ def _use_native(rows: Tensor, bits: int, block_size: int) -> bool:
     return native_chosen() and native.applies(rows, bits, block_size)
 
 
+_TRITON_FAILED: set[str] = set()
+"""Devices where the Triton kernels failed to compile or launch under ``auto``: the torch path
+codes there from then on."""
+
+
 def _use_triton(device: torch.device, bits: int) -> bool:
     """Whether this call takes the Triton kernels, per ``set_kernel``."""
-    if _kernel in ("torch", "native"):
+    if _kernel in ("torch", "native") or (_kernel == "auto" and str(device) in _TRITON_FAILED):
         return False
     usable = quant_triton.available(device) and bits in quant_triton.BITS
     if _kernel == "triton" and not usable:
@@ -124,6 +130,23 @@ def _use_triton(device: torch.device, bits: int) -> bool:
         raise RuntimeError(f"the quantization kernel is set to 'triton', but {reason}; the Triton "
                            "kernels need a CUDA tensor and Triton (set ZEROPP_QUANT_KERNEL=auto or torch)")
     return usable
+
+
+def _triton_ran(kernel, device: torch.device, *args) -> bool:
+    """Run a Triton kernel and say whether it ran. Under ``auto`` a kernel that fails (a GPU or
+    Triton version it does not compile for) warns once and leaves ``device`` to the torch path,
+    which gives the same bytes; under ``triton`` the failure is raised."""
+    try:
+        kernel(*args)
+        return True
+    except Exception as error:  # compile errors come as several Triton and CUDA types
+        if _kernel == "triton":
+            raise
+        _TRITON_FAILED.add(str(device))
+        warnings.warn(f"zeropp's Triton quantization kernels failed on {device} ({type(error).__name__}: "
+                      f"{str(error)[:300]}); coding with the torch path there from now on (same bytes, slower). "
+                      "ZEROPP_QUANT_KERNEL=triton raises instead, =native skips Triton.", RuntimeWarning, stacklevel=2)
+        return False
 
 
 def _check_config(bits: int, block_size: int) -> None:
@@ -387,8 +410,8 @@ def _encode_into(
 ) -> None:
     """Quantize ``chunks`` (num_chunks, chunk_numel) into the views ``data_out``
     (num_chunks, data_bytes) and ``scales_out`` (num_chunks, num_blocks), all rows at once."""
-    if _use_triton(chunks.device, bits):
-        quant_triton.encode_rows(chunks, bits, block_size, data_out, scales_out)
+    if _use_triton(chunks.device, bits) and _triton_ran(quant_triton.encode_rows, chunks.device, chunks, bits,
+                                                         block_size, data_out, scales_out):
         return
     if _use_native(chunks, bits, block_size):
         native.encode_rows(chunks, bits, block_size, data_out, scales_out)
@@ -403,8 +426,8 @@ def _encode_into(
 def _decode_into(data: Tensor, scales: Tensor, bits: int, block_size: int, out: Tensor) -> None:
     """Dequantize codes (num_chunks, data_bytes) and scales (num_chunks, num_blocks) into
     ``out`` (num_chunks, chunk_numel): ``code * scale`` in fp32, then cast to out's dtype."""
-    if _use_triton(out.device, bits):
-        quant_triton.decode_rows(data, scales, bits, block_size, out)
+    if _use_triton(out.device, bits) and _triton_ran(quant_triton.decode_rows, out.device, data, scales, bits,
+                                                     block_size, out):
         return
     if _use_native(out, bits, block_size):
         native.decode_rows(data, scales, bits, block_size, out)
