@@ -163,7 +163,8 @@ def test_nearest_fields_equal_bucketize(bits: int, block_size: int) -> None:
     near = torch.cat((midpoints, torch.nextafter(midpoints, inf), torch.nextafter(midpoints, -inf)))
     extremes = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 3.4028235e38, -3.4028235e38, 1.0, -1.0])
     units = torch.cat((torch.randn(1 << 16, generator=torch.Generator().manual_seed(bits)), near, -near, extremes))
-    fields = gradcode._nearest_fields(units, table)
+    assert gradcode._level_midpoints(bits, block_size) == tuple(midpoints.tolist())
+    fields = gradcode._nearest_fields(units, gradcode._level_midpoints(bits, block_size))
     assert fields.dtype == torch.uint8
     assert torch.equal(fields.long(), torch.bucketize(units, midpoints))
 

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -252,7 +253,7 @@ def block_codes(blocks: Tensor, scales: Tensor, bits: int, code: GradientCode,
             return units.round_().clamp_(-qmax, qmax)
         return units.add_(_uniform(units, generator)).floor_().clamp_(-qmax, qmax)
     if code.rounding == "nearest":
-        fields = _nearest_fields(units, table)
+        fields = _nearest_fields(units, _level_midpoints(bits, blocks.shape[1]))
     else:  # lo = the last level <= units; go up with probability (units - lo) / gap
         lower = (torch.bucketize(units, table, right=True) - 1).clamp_(0, len(table) - 2)
         gap = table[lower + 1] - table[lower]
@@ -260,15 +261,23 @@ def block_codes(blocks: Tensor, scales: Tensor, bits: int, code: GradientCode,
     return fields.float().sub_(2 ** (bits - 1))
 
 
-def _nearest_fields(units: Tensor, table: Tensor) -> Tensor:
+@functools.cache
+def _level_midpoints(bits: int, block_size: int) -> tuple[float, ...]:
+    """The midpoints between adjacent normal levels, ascending: fp32 values as Python floats
+    (kept on the host, so coding on a GPU needs no copy back)."""
+    table = _level_table(bits, block_size, "cpu")
+    return tuple(((table[1:] + table[:-1]) / 2).tolist())
+
+
+def _nearest_fields(units: Tensor, midpoints: Sequence[float]) -> Tensor:
     """The field (uint8) of the level nearest to each finite value of ``units``, ties going
-    down: how many midpoints between adjacent levels lie strictly below it, as
-    ``torch.bucketize(units, midpoints)`` counts them. One comparison per midpoint is 2.2x
-    faster than bucketize's per-element binary search on CPU at 16 levels (a symmetric variant
-    with half the comparisons was slower: ``torch.nextafter`` and the selects cost more)."""
+    down: how many ``midpoints`` lie strictly below it, as ``torch.bucketize(units, midpoints)``
+    counts them. One comparison per midpoint is 2.2x faster than bucketize's per-element binary
+    search on CPU at 16 levels (a symmetric variant with half the comparisons was slower:
+    ``torch.nextafter`` and the selects cost more)."""
     fields = torch.zeros(units.shape, dtype=torch.uint8, device=units.device)
     above = torch.empty(units.shape, dtype=torch.bool, device=units.device)
-    for midpoint in ((table[1:] + table[:-1]) / 2).tolist():  # fp32 values: the comparison is exact
+    for midpoint in midpoints:  # fp32 values: the comparison with fp32 units is exact
         fields.add_(torch.gt(units, midpoint, out=above).view(torch.uint8))  # a bool is one byte, 0 or 1
     return fields
 
