@@ -8,6 +8,7 @@
   Triton kernels divide exactly, so the torch path must too for the three to agree.
 * On a CUDA device the torch path gives the CPU's bytes, and zeropp trains on CUDA tensors: four
   gloo ranks sharing one GPU, as a 2x2 cluster, against the same run on CPU.
+* Under ``auto`` a Triton kernel that fails falls back to the torch path (simulated on CPU).
 
 The GPU tests skip without CUDA; the compile test skips without Triton.
 """
