@@ -45,8 +45,8 @@ def available(device: torch.device) -> bool:
 
 
 if triton is not None:
-    # a kernel reads a global only when it is a constexpr (Triton >= 3.x compiles; the interpreter
-    # would read a plain float too)
+    # a kernel may read a global only if it is a constexpr: Triton's compiler refuses a plain float
+    # (its CPU interpreter accepts one, so only a compile shows it: tests/test_cuda.py)
     _FP32_TINY = tl.constexpr(1.1754943508222875e-38)  # smallest normal fp32
     _ROUNDING_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: (v + M) - M rounds |v| < 2**22 half to even
 
