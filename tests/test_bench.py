@@ -83,6 +83,28 @@ def test_worker_record_on_local_ranks() -> None:
     assert units["all_gather_ratio"] == units["median_s"]["qwz_all_gather"] / units["median_s"]["plain_all_gather"]
 
 
+AHEAD = replace(TINY, modes=("zero3", "all_overlap", "all_ahead"), warmup_steps=1, steps=2, param_dtype="float32")
+
+
+def _run_ahead(rank: int, world_size: int) -> dict | None:
+    return run(AHEAD)
+
+
+def test_worker_steps_in_backward_like_the_plain_loop() -> None:
+    """``all_ahead`` (AdamW per unit in backward, the next forward's gathers started there)
+    trains the bench's model exactly as ``all_overlap`` does, and in a timed step's window it
+    moves the same bytes (booked in backward instead of forward): the gathers it starts for the
+    next step replace those the warm-up started for the first."""
+    record, *_ = run_distributed(_run_ahead, 4, env={"ZEROPP_RANKS_PER_NODE": "2"})
+    overlap, ahead = record["modes"]["all_overlap"], record["modes"]["all_ahead"]
+    assert ahead["losses"] == overlap["losses"]
+    for plain, early in zip(overlap["ledger_per_step"], ahead["ledger_per_step"], strict=True):
+        assert early["total"] == plain["total"]
+        forward = [sum(row["cross_node_bytes"] for row in ledger["rows"] if row["phase"] == "forward")
+                   for ledger in (early, plain)]
+        assert forward[0] == 0 < forward[1]
+
+
 PEER = replace(TINY, modes=("zero3", "deepspeed"), steps=3, param_dtype="float32", lr=1e-2)
 """A large learning rate, so that a difference in the updates shows in the third step's loss
 (with DeepSpeed's default clipping at norm 1.0 it moves by 3e-4 relative)."""

@@ -21,6 +21,7 @@ _PUBLIC = {
     "enable": "zeropp.sharding",
     "generation_mode": "zeropp.hpz",
     "initialize": "zeropp.engine",
+    "optimizer_in_backward": "zeropp.stepping",
     "shard": "zeropp.sharding",
     "sharded_comms": "zeropp.sharding",
 }

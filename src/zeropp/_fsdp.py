@@ -29,6 +29,10 @@ from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlan
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as load_state_dict_into
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+    _get_all_gather_input_metadatas,
+    _get_param_all_gather_inputs,
+)
 from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
 from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
@@ -37,6 +41,7 @@ __all__ = [
     "EmptyStateDictLoadPlanner",
     "ReduceScatter",
     "UnitLayout",
+    "all_gather_input",
     "at_backward_end",
     "backward_id",
     "fsdp_units",
@@ -51,6 +56,7 @@ __all__ = [
     "set_process_group_timeouts",
     "set_unshard_async",
     "unit_layout",
+    "unit_parameters",
 ]
 
 
@@ -122,6 +128,28 @@ def register_whole_parameters(unit: FSDPModule) -> None:
     if param_group is not None and param_group.is_unsharded:
         for fsdp_param in param_group.fsdp_params:
             fsdp_param._setattr_on_modules(fsdp_param.unsharded_param)
+
+
+def unit_parameters(unit: FSDPModule) -> list[nn.Parameter]:
+    """The parameters the unit itself shards (not those of units inside it), as the optimizer
+    holds them (the primary shards), in FSDP2's order."""
+    param_group = _param_group(unit)
+    return [] if param_group is None else [p.sharded_param for p in param_group.fsdp_params]
+
+
+@torch.no_grad()
+def all_gather_input(unit: FSDPModule) -> tuple[torch.Tensor, dist.ProcessGroup] | None:
+    """What the unit's next unshard will hand its all-gather comm, built from its primary shards
+    as FSDP2 builds it (each parameter's padded shard in its gather dtype, one after the other;
+    as bytes when the dtypes differ), and the group it gathers over; None for a unit without
+    parameters or with only one rank to gather from."""
+    param_group = _param_group(unit)
+    if param_group is None or param_group.mesh_info.shard_mesh_size == 1:
+        return None
+    inputs = _get_param_all_gather_inputs(param_group.fsdp_params)
+    dtype = _get_all_gather_input_metadatas(inputs)[2]
+    flat = [t.reshape(-1).view(torch.uint8) if dtype == torch.uint8 else t.reshape(-1) for ts in inputs for t in ts]
+    return torch.cat(flat), param_group._all_gather_process_group
 
 
 def _param_group(unit: FSDPModule) -> Any:

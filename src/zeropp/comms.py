@@ -8,6 +8,7 @@ and ``CountingReduceScatter`` are FSDP2's default collectives, counted, for plai
 
 from __future__ import annotations
 
+import datetime
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -152,9 +153,35 @@ class LateReduceScatter(RecordedComm, ReduceScatter):
     """Set by ``zeropp.shard`` with ``overlap``: whether a call with this reduce dtype and op may
     leave its output unwritten until backward ends (the unit's gradients are read no sooner)."""
 
+    after_reduce: Callable[[], None] | None = None
+    """Set by ``zeropp.optimizer_in_backward``: what to run once this unit's gradients are written
+    and FSDP2 has handed them to the parameters (the unit's optimizer step)."""
+
     def finishes_late(self, output_tensor: torch.Tensor, op: dist.ReduceOp) -> bool:
         return (self.may_finish_late is not None and in_backward()
                 and self.may_finish_late(output_tensor.dtype, op))
+
+    def complete(self, finish: Callable[[], None], late: bool) -> None:
+        """Write the output with ``finish``: now, or ``late``; then ``after_reduce``, which waits
+        for FSDP2 to set the gradients (it does so when this call returns), so it runs with the
+        next late reduce-scatter or at the end of backward."""
+        after = self.after_reduce
+        if late:
+            finish_late(finish if after is None else _then(finish, after))
+            return
+        finish()
+        if after is not None:
+            if not in_backward():
+                raise RuntimeError("optimizer_in_backward steps a unit after its reduce-scatter in backward; "
+                                   "this reduce-scatter ran outside backward")
+            finish_late(after)
+
+
+def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[], None]:
+    def both() -> None:
+        first()
+        second()
+    return both
 
 
 _unfinished: deque[Callable[[], None]] = deque()
@@ -181,12 +208,128 @@ def finish_unfinished() -> None:
         _unfinished.popleft()()
 
 
-class CountingAllGather(RecordedComm, AllGather):
+class DecodeOnWait(dist.Work):
+    """A gather in flight (FSDP2 asked for ``async_op``): waiting for it waits for the payload,
+    then decodes it into FSDP2's output, so the transfer overlaps whatever runs between the call
+    and the wait, and FSDP2 reads weights as it would from a plain gather."""
+
+    def __init__(self, work: dist.Work, decode: Callable[[], None]) -> None:
+        super().__init__()
+        self._work, self._decode = work, decode
+        self._done = False
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        if not self._done:
+            self._work.wait()
+            self._decode()
+            self._done = True
+        return True
+
+
+Started = tuple["dist.Work | None", Callable[[torch.Tensor], None]]
+"""A gather on its way: its work (None once done) and what writes the result into an output."""
+
+
+class GatherAhead:
+    """An all-gather comm that can start a unit's next gather before FSDP2 asks for it: see
+    [Note: gathers ahead].
+
+    [Note: gathers ahead]
+    With ``zeropp.optimizer_in_backward(..., gather_ahead=True)`` each unit's optimizer step runs
+    in backward, as soon as its gradients are reduced, and is followed at once by the gather the
+    next forward will ask for: ``gather_ahead`` builds the unit's all-gather input as FSDP2 does
+    (``_fsdp.all_gather_input``) and starts the gather asynchronously. The next forward's call
+    with the same group and an equal input (compared element for element, so an edit or a load
+    in between is seen) takes it instead of gathering again; any other call drops it (waiting
+    for it first, as every rank issued it). The bytes are those of the gather it replaces, and
+    the weights the same bits. Every rank starts and takes its gathers at the same points of
+    the same program, as for any collective; a rank that changes its shards alone between
+    backward and forward breaks that, as it would break FSDP2 itself. What it costs: each
+    unit's gathered payload is held from its step to its forward (``ahead_bytes``)."""
+
+    _ahead: tuple[dist.ProcessGroup, torch.Tensor, Started] | None = None
+
+    def start(self, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool,
+              output_tensor: torch.Tensor | None) -> Started:
+        """Start gathering ``input_tensor``: into ``output_tensor``, or a buffer of its size when None."""
+        raise NotImplementedError
+
+    def gather_ahead(self, input_tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+        """Start the gather of ``input_tensor`` that the next call will ask for."""
+        self.drop_ahead()
+        self._ahead = (group, input_tensor, self.start(input_tensor, group, True, None))
+
+    def drop_ahead(self) -> None:
+        """Forget a gather started ahead (after it has finished: every rank issued it)."""
+        if self._ahead is not None:
+            work = self._ahead[2][0]
+            self._ahead = None
+            if work is not None:
+                work.wait()
+
+    def wait_ahead(self) -> None:
+        """Wait for a gather started ahead to arrive, keeping it for the call that takes it."""
+        if self._ahead is not None and self._ahead[2][0] is not None:
+            self._ahead[2][0].wait()
+
+    @property
+    def ahead_bytes(self) -> int:
+        """Bytes held by a gather started ahead: its input and the buffer it gathers into."""
+        if self._ahead is None:
+            return 0
+        _, input_tensor, (_, complete) = self._ahead
+        return nbytes(input_tensor) + getattr(complete, "nbytes", 0)
+
+    def gather(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+               async_op: bool) -> dist.Work | None:
+        """FSDP2's call: take the gather started ahead if it is this one, else start it now."""
+        started = self._take_ahead(input_tensor, group)
+        if started is None:
+            started = self.start(input_tensor, group, async_op, output_tensor)
+        work, complete = started
+        if work is not None and async_op:
+            return DecodeOnWait(work, lambda: complete(output_tensor))
+        if work is not None:
+            work.wait()
+        complete(output_tensor)
+        return None
+
+    def _take_ahead(self, input_tensor: torch.Tensor, group: dist.ProcessGroup) -> Started | None:
+        if self._ahead is None:
+            return None
+        ahead_group, ahead_input, started = self._ahead
+        if (ahead_group is group and ahead_input.dtype == input_tensor.dtype
+                and ahead_input.shape == input_tensor.shape and torch.equal(ahead_input, input_tensor)):
+            self._ahead = None
+            return started
+        self.drop_ahead()
+        return None
+
+
+class Buffered:
+    """``complete`` of a gather into a buffer: copies it into the output; ``nbytes`` held."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer, self.nbytes = buffer, nbytes(buffer)
+
+    def __call__(self, output_tensor: torch.Tensor) -> None:
+        if output_tensor.data_ptr() != self.buffer.data_ptr():
+            output_tensor.copy_(self.buffer)
+
+
+class CountingAllGather(RecordedComm, GatherAhead, AllGather):
     """FSDP2's default all-gather, counted in the ledger."""
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
-        return all_gather(output_tensor, input_tensor, group, self.recorder, self.technique, async_op=async_op)
+        return self.gather(output_tensor, input_tensor, group, async_op)
+
+    def start(self, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool,
+              output_tensor: torch.Tensor | None) -> Started:
+        if output_tensor is None:
+            output_tensor = input_tensor.new_empty(input_tensor.numel() * group.size())
+        work = all_gather(output_tensor, input_tensor, group, self.recorder, self.technique, async_op=async_op)
+        return work, Buffered(output_tensor)
 
 
 class CountingReduceScatter(LateReduceScatter):
@@ -197,10 +340,11 @@ class CountingReduceScatter(LateReduceScatter):
         late = not async_op and self.finishes_late(output_tensor, op)
         work = reduce_scatter(output_tensor, input_tensor, op, group, self.recorder, self.technique,
                               async_op=async_op or late)
-        if late:
-            finish_late(work.wait)
-            return None
-        return work
+        if async_op:  # FSDP2 waits for it
+            self.complete(lambda: None, False)
+            return work
+        self.complete(work.wait if late else lambda: None, late)
+        return None
 
 
 def all_reduce_mean(value: torch.Tensor, topology: Topology, group: dist.ProcessGroup | None = None) -> float:

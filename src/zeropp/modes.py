@@ -39,6 +39,10 @@ class Mode:
     """``ZeroPPConfig`` fields, besides hpZ's size."""
     hpz: bool = False
     """hpZ on, over the whole node."""
+    gather_ahead: bool = False
+    """The optimizer steps each unit in backward and the next forward's gathers start right after
+    (``zeropp.optimizer_in_backward(..., gather_ahead=True)``): the training loop calls no
+    ``optimizer.step()``, so only harnesses written for it take such a mode."""
 
     def config(self, ranks_per_node: int, **overrides: Any) -> ZeroPPConfig:
         """The ``ZeroPPConfig`` of this mode on nodes of ``ranks_per_node`` ranks; ``overrides``
@@ -108,6 +112,9 @@ MODES: dict[str, Mode] = {mode.name: mode for mode in (
          options={**_ALL, "hierarchical_gather": True}, hpz=True),
     Mode(name="all_hier_overlap", summary="all_hier with overlap",
          options={**_ALL, "hierarchical_gather": True, "overlap": True}, hpz=True),
+    Mode(name="all_ahead",
+         summary="all_overlap, each unit's optimizer step in backward, its next gather started there",
+         options={**_ALL, "overlap": True}, hpz=True, gather_ahead=True),
 )}
 """Every mode by name. ``zero3`` is the baseline every comparison is made against."""
 
@@ -115,8 +122,9 @@ BASELINE = "zero3"
 
 
 def zeropp_modes() -> tuple[str, ...]:
-    """The modes that ``zeropp.shard`` trains (demo, converge, finetune accept only these)."""
-    return tuple(name for name, mode in MODES.items() if mode.system is System.ZEROPP)
+    """The modes that ``zeropp.shard`` trains with an ordinary optimizer loop (demo, converge,
+    finetune accept only these)."""
+    return tuple(name for name, mode in MODES.items() if mode.system is System.ZEROPP and not mode.gather_ahead)
 
 
 def check_modes(names: Iterable[str], allowed: Iterable[str]) -> tuple[str, ...]:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from zeropp.codec import ChunkCodec, segments_for
-from zeropp.comms import LateReduceScatter, all_to_all, finish_late, nbytes
+from zeropp.comms import LateReduceScatter, all_to_all, nbytes
 from zeropp.gradcode import GradientCode
 from zeropp.ledger import CommLedger
 from zeropp.topology import ProcessGroups
@@ -146,17 +146,13 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
         else:
             partial = chunks[:, 0].float()
         if num_nodes == 1:
-            self._write(partial[0], output_tensor, op)
+            self.complete(functools.partial(self._write, partial[0], output_tensor, op), False)
             return None
         # hop 2 crosses nodes: with ``overlap`` it may finish later ([Note: late reduce-scatter])
         late = self.finishes_late(output_tensor, op)
         exchange = self._send(partial, self.codec(chunk_numel, self.bits_inter), 2, self.groups.inter_node_group,
                               async_op=late)
-        finish = functools.partial(self._finish_inter_node_hop, exchange, output_tensor, op)
-        if late:
-            finish_late(finish)
-        else:
-            finish()
+        self.complete(functools.partial(self._finish_inter_node_hop, exchange, output_tensor, op), late)
         return None
 
     def _finish_inter_node_hop(self, exchange: _Exchange, output_tensor: torch.Tensor, op: dist.ReduceOp) -> None:

@@ -9,9 +9,7 @@ intra-node group (hpZ's backward gather) the chunk travels in full precision unl
 
 from __future__ import annotations
 
-import datetime
 import fnmatch
-import functools
 from collections.abc import Callable
 
 import torch
@@ -19,7 +17,7 @@ import torch.distributed as dist
 
 from zeropp._fsdp import AllGather, UnitLayout
 from zeropp.codec import ChunkCodec, segments_for
-from zeropp.comms import RecordedComm, all_gather
+from zeropp.comms import Buffered, GatherAhead, RecordedComm, Started, all_gather, nbytes
 from zeropp.ledger import CommLedger, GroupKind
 from zeropp.topology import ProcessGroups, Topology
 
@@ -51,7 +49,7 @@ def has_two_hops(topology: Topology) -> bool:
     return topology.num_nodes > 1 and topology.ranks_per_node > 1
 
 
-class QuantizedAllGather(RecordedComm, AllGather):
+class QuantizedAllGather(RecordedComm, GatherAhead, AllGather):
     """qwZ's all-gather of one unit.
 
     Each parameter's slice is quantized on its own (a scale never spans two tensors).
@@ -100,9 +98,16 @@ class QuantizedAllGather(RecordedComm, AllGather):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
+        return self.gather(output_tensor, input_tensor, group, async_op)
+
+    def start(self, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool,
+              output_tensor: torch.Tensor | None) -> Started:
         info = self.group_info(group)
         if info.kind is GroupKind.INTRA and not self.quantize_intra_node:
-            return all_gather(output_tensor, input_tensor, group, self.recorder, "hpZ", async_op=async_op)
+            if output_tensor is None:
+                output_tensor = input_tensor.new_empty(input_tensor.numel() * info.size)
+            work = all_gather(output_tensor, input_tensor, group, self.recorder, "hpZ", async_op=async_op)
+            return work, Buffered(output_tensor)
         codec = self.codec(info.size, input_tensor.dtype)
         if codec.numel != input_tensor.numel():
             raise RuntimeError(f"qwZ all-gather got a chunk of {input_tensor.numel()} elements, but the "
@@ -110,52 +115,36 @@ class QuantizedAllGather(RecordedComm, AllGather):
         send = torch.empty((1, codec.nbytes), dtype=torch.uint8, device=input_tensor.device)
         codec.encode(input_tensor.view(1, -1), send)
         if self.two_hop is not None and info.size == self.topology.world_size and has_two_hops(self.topology):
-            return self._gather_in_two_hops(send, codec, output_tensor, async_op)
+            return self._gather_in_two_hops(send, codec, async_op)
         received = torch.empty((info.size, codec.nbytes), dtype=torch.uint8, device=input_tensor.device)
         work = all_gather(received.view(-1), send.view(-1), group, self.recorder, self.technique,
                           dtype=f"int{self.bits}", async_op=async_op)
-        decode = functools.partial(codec.decode, received, output_tensor.view(info.size, -1))
-        if work is None:
-            decode()
-            return None
-        return DecodeOnWait(work, decode)
+        return work, Decode(received, lambda output: codec.decode(received, output.view(info.size, -1)))
 
-    def _gather_in_two_hops(self, send: torch.Tensor, codec: ChunkCodec, output_tensor: torch.Tensor,
-                            async_op: bool) -> dist.Work | None:
+    def _gather_in_two_hops(self, send: torch.Tensor, codec: ChunkCodec, async_op: bool) -> Started:
         """The world gather across nodes, then inside the node: see [Note: two-hop gather]. The
         first hop may run asynchronously; the second (inside the node) and the decode run when
-        it is waited for."""
+        the output is written."""
         groups, num_nodes, ranks_per_node = self.two_hop, self.topology.num_nodes, self.topology.ranks_per_node
         across = torch.empty((num_nodes, codec.nbytes), dtype=torch.uint8, device=send.device)
         work = all_gather(across.view(-1), send.view(-1), groups.inter_node_group, self.recorder, self.technique,
                           dtype=f"int{self.bits}", async_op=async_op)
 
-        def finish() -> None:
+        def finish(output_tensor: torch.Tensor) -> None:
             node = torch.empty((ranks_per_node, num_nodes, codec.nbytes), dtype=torch.uint8, device=send.device)
             all_gather(node.view(-1), across.view(-1), groups.intra_node_group, self.recorder, self.technique,
                        dtype=f"int{self.bits}")
             in_rank_order = node.transpose(0, 1).reshape(num_nodes * ranks_per_node, codec.nbytes)
             codec.decode(in_rank_order, output_tensor.view(num_nodes * ranks_per_node, -1))
 
-        if work is None:
-            finish()
-            return None
-        return DecodeOnWait(work, finish)
+        return work, Decode(across, finish)
 
 
-class DecodeOnWait(dist.Work):
-    """A quantized gather in flight (FSDP2 asked for ``async_op``): waiting for it waits for the
-    payload, then decodes it into FSDP2's output, so the transfer overlaps whatever runs between
-    the call and the wait, and FSDP2 reads decoded weights as it would from a plain gather."""
+class Decode:
+    """``complete`` of a quantized gather: decodes the payload it holds into the output."""
 
-    def __init__(self, work: dist.Work, decode: Callable[[], None]) -> None:
-        super().__init__()
-        self._work, self._decode = work, decode
-        self._done = False
+    def __init__(self, payload: torch.Tensor, decode: Callable[[torch.Tensor], None]) -> None:
+        self.nbytes, self._decode = nbytes(payload), decode
 
-    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
-        if not self._done:
-            self._work.wait()
-            self._decode()
-            self._done = True
-        return True
+    def __call__(self, output_tensor: torch.Tensor) -> None:
+        self._decode(output_tensor)

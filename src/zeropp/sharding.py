@@ -150,7 +150,7 @@ def prefetch_neighbours(model: FSDPModule) -> None:
     two; ``set_modules_to_backward_prefetch``: the previous block, the root the last one) and
     FSDP2 issues gathers with ``async_op``: the backend moves the bytes on its own threads while
     this one computes, and FSDP2 waits just before the weights are used (qwZ decodes then:
-    ``qwz.DecodeOnWait``). Two ahead in forward, because there a gather on a slow link takes
+    ``comms.DecodeOnWait``). Two ahead in forward, because there a gather on a slow link takes
     longer than a block's compute: with one ahead the link idled while each block decoded and
     computed (at 100 Mbit/s on the 25M GPT the forward took 2.2-2.5 s with one, 1.85-2.0 s with
     two, where its link time is 1.5 s). Backward gathers run inside the node (hpZ) or are
@@ -197,6 +197,7 @@ def check_unit(unit: FSDPModule, config: ZeroPPConfig, topology: Topology) -> No
 class ShardedComms:
     """The comms installed on a model's units, in ``model.modules()`` order (the root first)."""
 
+    units: list[FSDPModule] = field(default_factory=list)
     all_gathers: list[AllGather] = field(default_factory=list)
     reduce_scatters: list[ReduceScatter] = field(default_factory=list)
     fresh_copy_hooks: bool = False
@@ -205,6 +206,7 @@ class ShardedComms:
     def add(self, unit: FSDPModule, all_gather: AllGather, reduce_scatter: ReduceScatter) -> None:
         unit.set_custom_all_gather(all_gather)
         unit.set_custom_reduce_scatter(reduce_scatter)
+        self.units.append(unit)
         self.all_gathers.append(all_gather)
         self.reduce_scatters.append(reduce_scatter)
 

@@ -52,7 +52,7 @@ from zeropp.data import CharCorpus
 from zeropp.hpz import secondary_copy_bytes
 from zeropp.ledger import COUNTS, GroupInfo, Op
 from zeropp.models import GPT, GPTConfig
-from zeropp.modes import BASELINE, MODES, System, check_modes
+from zeropp.modes import BASELINE, MODES, Mode, System, check_modes
 from zeropp.sharding import select_units
 
 BENCH_MODES = ("zero3", "hsdp", "qwz", "hpz", "qgz", "all")
@@ -161,7 +161,7 @@ class Trainer:
 
     def __init__(self, model: nn.Module, corpus: CharCorpus, config: WorkerConfig) -> None:
         self.model, self.corpus, self.config = model, corpus, config
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
+        self.optimizer = self.build_optimizer()
         rank, world_size = dist.get_rank(), dist.get_world_size()
         self.rows = slice(rank * config.batch_size // world_size, (rank + 1) * config.batch_size // world_size)
 
@@ -173,12 +173,38 @@ class Trainer:
         loss = self.forward_backward_step(x[self.rows], y[self.rows])
         return time.perf_counter() - started, loss.item()
 
+    def build_optimizer(self) -> Any:
+        return torch.optim.AdamW(self.model.parameters(), lr=self.config.lr, weight_decay=0.0)
+
     def forward_backward_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         _, loss = self.model(x, y)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss
+
+
+class InBackwardTrainer(Trainer):
+    """A ``gather_ahead`` mode: the same AdamW, stepped per unit in backward, the next forward's
+    gathers started there (``zeropp.optimizer_in_backward``). The step ends when those gathers
+    have arrived: the modes train in turns, and bytes still on the link would slow the next
+    mode's step; training on, the next forward would overlap the last of them."""
+
+    def build_optimizer(self) -> Any:
+        return zeropp.optimizer_in_backward(self.model, torch.optim.AdamW, lr=self.config.lr, weight_decay=0.0,
+                                            gather_ahead=True)
+
+    def forward_backward_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        _, loss = self.model(x, y)
+        loss.backward()
+        self.optimizer.wait_ahead()
+        return loss
+
+
+def trainer_class(mode: Mode) -> type[Trainer]:
+    if mode.system is System.DEEPSPEED:
+        return DeepSpeedTrainer
+    return InBackwardTrainer if mode.gather_ahead else Trainer
 
 
 def deepspeed_config(config: WorkerConfig, world_size: int) -> dict[str, Any]:
@@ -332,9 +358,7 @@ def run(config: WorkerConfig) -> dict[str, Any] | None:
     topology = zeropp.Topology.from_env()
     corpus = CharCorpus.shakespeare()
     models = {mode: build_model(mode, config, corpus.vocab_size, topology) for mode in config.modes}
-    trainer_of = {System.DEEPSPEED: DeepSpeedTrainer}
-    trainers = {mode: trainer_of.get(MODES[mode].system, Trainer)(model, corpus, config)
-                for mode, model in models.items()}
+    trainers = {mode: trainer_class(MODES[mode])(model, corpus, config) for mode, model in models.items()}
     windows = {mode: Window(topology, config.wire) for mode in config.modes}
     results = train_interleaved(trainers, windows, config)
     unit_comms = time_unit_comms(models, config.unit_comm_calls) if config.unit_comm_calls else None
