@@ -96,6 +96,8 @@ def _compare(rank: int, world_size: int, options: dict) -> dict:
     pytest.param({}, marks=pytest.mark.slow),
     pytest.param({"quantized_weights": True, "quantized_gradients": True, "hpz_partition_size": 2,
                   "hierarchical_gather": True}, marks=pytest.mark.slow),
+    pytest.param({"quantized_weights": True, "quantized_gradients": True, "overlap": True,
+                  "param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}, marks=pytest.mark.slow),
 ])
 def test_step_in_backward_trains_bit_identically(options: dict) -> None:
     """AdamW stepped per unit in backward, with and without the next forward's gathers started
