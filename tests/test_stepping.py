@@ -126,3 +126,35 @@ def test_step_in_backward_trains_bit_identically(options: dict) -> None:
 def test_a_model_zeropp_did_not_shard_is_refused() -> None:
     with pytest.raises(ValueError, match="needs a model sharded by zeropp"):
         zeropp.optimizer_in_backward(nn.Linear(4, 4), torch.optim.AdamW, lr=1e-3)
+
+
+class _WithScalar(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.temperature = nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x / self.temperature
+
+
+def _refuse_a_parameter_outside_the_units(rank: int, world_size: int) -> dict:
+    model = _WithScalar()
+    zeropp.shard(model, zeropp.ZeroPPConfig(quantized_weights=True))
+    message = "no error"
+    try:
+        zeropp.optimizer_in_backward(model, torch.optim.AdamW, lr=1e-3)
+    except ValueError as error:
+        message = str(error)
+    hooked = [rs.after_reduce is not None for rs in zeropp.sharded_comms(model).reduce_scatters]
+    return {"message": message, "hooked": hooked}
+
+
+def test_a_parameter_no_unit_holds_is_refused() -> None:
+    """A 0-dim parameter stays outside FSDP2: no unit's step would update it, so the call is
+    refused, naming it, and installs nothing."""
+    for r in run_distributed(_refuse_a_parameter_outside_the_units, 2):
+        assert "['temperature']" in r["message"] and "stepped after backward" in r["message"]
+        assert not any(r["hooked"])

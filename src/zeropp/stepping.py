@@ -8,6 +8,7 @@ right after it: see [Note: step in backward].
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -44,33 +45,27 @@ class OptimizerInBackward:
         if not comms.units:
             raise ValueError(f"optimizer_in_backward needs a model sharded by zeropp.shard or zeropp.enable; "
                              f"{type(model).__name__} is not")
+        units = [(unit, all_gather, reduce_scatter, params)
+                 for unit, all_gather, reduce_scatter in zip(comms.units, comms.all_gathers, comms.reduce_scatters,
+                                                             strict=True)
+                 if (params := [p for p in unit_parameters(unit) if p.requires_grad])]
+        stepped = {id(p) for *_, params in units for p in params}
+        missed = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in stepped]
+        if missed:
+            raise ValueError(f"optimizer_in_backward steps the parameters of FSDP units; {missed[:3]} belong to "
+                             "none (0-dim parameters stay outside FSDP2, or the root is not a unit): train such a "
+                             "model with an optimizer stepped after backward")
         self.gather_ahead = gather_ahead
         self.optimizers: list[torch.optim.Optimizer] = []
         self._gathers: list[GatherAhead] = []
-        stepped: set[int] = set()
-        for unit, all_gather, reduce_scatter in zip(comms.units, comms.all_gathers, comms.reduce_scatters,
-                                                    strict=True):
-            params = [p for p in unit_parameters(unit) if p.requires_grad]
-            if not params:
-                continue
+        for unit, all_gather, reduce_scatter, params in units:
             optimizer = optimizer_class(params, **optimizer_kwargs)
             gather = all_gather if gather_ahead and isinstance(all_gather, GatherAhead) else None
-            reduce_scatter.after_reduce = lambda u=unit, o=optimizer, g=gather: self._step(u, o, g)
+            reduce_scatter.after_reduce = functools.partial(_step, unit, optimizer, gather)
             self.optimizers.append(optimizer)
-            self._gathers += [gather] if gather is not None else []
-            stepped.update(id(p) for p in params)
-        missed = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in stepped]
-        if missed:
-            raise ValueError(f"optimizer_in_backward steps the parameters of FSDP units; {missed[:3]} "
-                             "belong to none: fully_shard the root as well")
+            if gather is not None:
+                self._gathers.append(gather)
         self._reduce_scatters = comms.reduce_scatters
-
-    @staticmethod
-    def _step(unit: FSDPModule, optimizer: torch.optim.Optimizer, gather: GatherAhead | None) -> None:
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if gather is not None and (started := all_gather_input(unit)) is not None:
-            gather.gather_ahead(*started)
 
     @property
     def ahead_bytes(self) -> int:
@@ -100,6 +95,14 @@ class OptimizerInBackward:
             reduce_scatter.after_reduce = None
         for gather in self._gathers:
             gather.drop_ahead()
+
+
+def _step(unit: FSDPModule, optimizer: torch.optim.Optimizer, gather: GatherAhead | None) -> None:
+    """One unit's step, and the start of its gather for the next forward."""
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if gather is not None and (started := all_gather_input(unit)) is not None:
+        gather.gather_ahead(*started)
 
 
 def optimizer_in_backward(model: nn.Module, optimizer_class: Callable[..., torch.optim.Optimizer], *,
