@@ -51,8 +51,22 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
 
     ``fn`` must be a module-level function (it is pickled into spawned processes). ``env`` is set
-    in every rank before the process group starts (e.g. ``ZEROPP_RANKS_PER_NODE``).
+    in every rank before the process group starts (e.g. ``ZEROPP_RANKS_PER_NODE``). The free port
+    is chosen before the ranks bind it; if another process takes it in between, the run starts
+    once more on a new port.
     """
+    try:
+        return _run_once(fn, world_size, args, timeout, env)
+    except _PortTaken:
+        return _run_once(fn, world_size, args, timeout, env)
+
+
+class _PortTaken(AssertionError):
+    """The store's port was taken between choosing it and binding it."""
+
+
+def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float,
+              env: dict[str, str] | None) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     env = {"OMP_NUM_THREADS": "1", **(env or {})}
@@ -71,7 +85,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                 raise AssertionError(f"ranks {missing} gave no result within {timeout} s (hang?)") from None
             outcome[rank] = (ok, value)
             if not ok:
-                raise AssertionError(f"rank {rank} of {world_size} failed:\n{value}")
+                error = _PortTaken if "EADDRINUSE" in value else AssertionError
+                raise error(f"rank {rank} of {world_size} failed:\n{value}")
     finally:
         for p in procs:
             p.join(timeout=5)
