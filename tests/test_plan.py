@@ -120,13 +120,19 @@ def _synthetic_measurements(machine: cost.Machine, link_efficiency: float) -> li
     return out
 
 
-def test_calibration_recovers_known_constants() -> None:
+SERIAL_COST = {"all_gather/world": 1.4, "all_gather/node": 1.6, "reduce_scatter/node": 1.1}
+"""Relative costs per sent byte, as ``benchmarks/collective_rates.py`` measures them."""
+
+
+@pytest.mark.parametrize("serial_cost", [{}, SERIAL_COST])
+def test_calibration_recovers_known_constants(serial_cost: dict[str, float]) -> None:
     """Step times made by the cost model from known constants are fitted back to those
     constants: the grid, refined twice, resolves the two nonlinear ones to 0.2%, and the linear
     ones follow. FLOPs and elementwise work are told apart by two model sizes only, so their
-    split moves by a few percent while each model's compute time stays within 0.1%."""
-    measured = _synthetic_measurements(KNOWN, link_efficiency=0.93)
-    fitted = calibrate.fit(measured)
+    split moves by a few percent while each model's compute time stays within 0.1%. With each
+    collective's relative cost per byte given, the same holds for a machine that has them."""
+    measured = _synthetic_measurements(replace(KNOWN, serial_cost=serial_cost), link_efficiency=0.93)
+    fitted = calibrate.fit(measured, serial_cost)
     per_flop, per_activation, *rest = fitted.coefficients
     assert rest == pytest.approx([KNOWN.latency_s, 1 / KNOWN.codec_elements_per_s, KNOWN.update_s_per_parameter],
                                  rel=1e-2)
@@ -144,6 +150,31 @@ def test_calibration_recovers_known_constants() -> None:
     machine = fitted.machine(m.topology, m.link_bytes_per_s)
     assert cost.step_time(m.model, m.config, m.topology, m.workload, machine).step_s == pytest.approx(
         fitted.predict(m), rel=1e-9)
+
+
+def test_relative_costs_change_the_step_and_come_from_the_measured_rates() -> None:
+    """A machine whose all-gathers cost more per byte prices a ZeRO-3 step higher and a qwZ
+    step (a quarter of the gather bytes) relatively lower; ``emulated.serial_cost`` turns the
+    benchmark's rates into costs relative to the world reduce-scatter, at its largest size."""
+    measured = _synthetic_measurements(KNOWN, link_efficiency=1.0)
+    zero3, qwz = (next(m for m in measured if m.label == mode and m.link_bytes_per_s is None)
+                  for mode in ("zero3", "qwz"))
+    weighted = replace(KNOWN, serial_cost=SERIAL_COST)
+
+    def step(m: calibrate.Measurement, machine: cost.Machine) -> float:
+        return cost.step_time(m.model, m.config, m.topology, m.workload, machine).step_s
+
+    assert step(zero3, weighted) > step(zero3, KNOWN)
+    assert step(qwz, weighted) / step(zero3, weighted) < step(qwz, KNOWN) / step(zero3, KNOWN)
+    rows = [{"op": op, "group": group, "output_mb": mb, "sent_mb_per_s": rate}
+            for mb, scale_by in ((8, 2.0), (32, 1.0))
+            for op, group, rate in (("reduce_scatter", "world", 500.0), ("all_gather", "world", 250.0),
+                                    ("all_gather", "node", 200.0))
+            for rate in [rate * scale_by]]
+    assert emulated.serial_cost({"rows": rows}) == {"reduce_scatter/world": 1.0, "all_gather/world": 2.0,
+                                                   "all_gather/node": 2.5}
+    with pytest.raises(ValueError, match="reduce_scatter over the world"):
+        emulated.serial_cost({"rows": rows[1:3]})
 
 
 def test_calibration_refuses_what_cannot_be_fitted() -> None:

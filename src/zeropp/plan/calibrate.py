@@ -15,8 +15,8 @@ one model, so separating FLOPs from elementwise work needs two model sizes at le
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from zeropp.plan.cost import (
     activation_elements,
     link_bytes,
     rank_sends,
+    serial_kind,
     sharded_parameters,
     step_flops,
 )
@@ -66,12 +67,14 @@ class _Amounts:
     link_seconds: np.ndarray
 
 
-def amounts(m: Measurement) -> _Amounts:
+def amounts(m: Measurement, serial_cost: Mapping[str, float]) -> _Amounts:
+    """``sent`` is weighted by each collective's ``serial_cost`` (bytes at the reference rate)."""
     transfers = [t for unit in step_transfers(m.model, m.config, m.topology, m.workload.precision) for t in unit
                  if t.group_size > 1]
     linear = np.array([step_flops(m.model, m.workload), activation_elements(m.model, m.workload), len(transfers),
                        sum(t.coded_elements for t in transfers), sharded_parameters(m.model, m.config, m.topology)])
-    sent = np.array([rank_sends(t, "gloo") for t in transfers], dtype=np.float64)
+    sent = np.array([rank_sends(t, "gloo") * serial_cost.get(serial_kind(t), 1.0) for t in transfers],
+                    dtype=np.float64)
     link = np.zeros(len(transfers))
     if m.link_bytes_per_s is not None:
         link = np.array([link_bytes(t, m.topology, "gloo")[1] for t in transfers]) / m.link_bytes_per_s
@@ -92,6 +95,8 @@ class Fit:
     link_efficiency: float
     relative_errors: tuple[float, ...]
     """(predicted - measured) / measured of every measurement fitted."""
+    serial_cost: Mapping[str, float] = field(default_factory=dict)
+    """The measured relative cost per sent byte of each collective (``Machine.serial_cost``)."""
 
     def machine(self, topology: Topology, link_bytes_per_s: float | None, name: str = "emulated cluster") -> Machine:
         """The fitted cluster at one link rate, for ``zeropp.plan.cost``."""
@@ -102,10 +107,10 @@ class Fit:
                        intra_node_bytes_per_s=inf, latency_s=per_call, flops_per_s=_inverse(per_flop),
                        activation_s_per_element=per_activation, codec_elements_per_s=_inverse(per_element),
                        overlap=0.0, serial_bytes_per_s=self.send_bytes_per_s, update_s_per_parameter=per_parameter,
-                       backend="gloo")
+                       serial_cost=dict(self.serial_cost), backend="gloo")
 
     def predict(self, m: Measurement) -> float:
-        a = amounts(m)
+        a = amounts(m, self.serial_cost)
         return float(a.linear @ np.array(self.coefficients)) + _transfer_seconds(a, self.send_bytes_per_s,
                                                                                  self.link_efficiency)
 
@@ -129,15 +134,18 @@ def _linear_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coefficients
 
 
-def fit(measurements: Sequence[Measurement]) -> Fit:
-    """The constants that best explain ``measurements``, see [Note: calibration]."""
+def fit(measurements: Sequence[Measurement], serial_cost: Mapping[str, float] | None = None) -> Fit:
+    """The constants that best explain ``measurements``, see [Note: calibration]; ``serial_cost``:
+    each collective's measured cost per sent byte relative to the rest (``Machine.serial_cost``;
+    one rate for all without it)."""
+    serial_cost = dict(serial_cost or {})
     if len(measurements) < len(LINEAR) + 2:
         raise ValueError(f"calibration needs at least {len(LINEAR) + 2} measured steps (one per constant), "
                          f"got {len(measurements)}")
     y = np.array([m.step_s for m in measurements])
     if not np.all(np.isfinite(y)) or np.any(y <= 0):
         raise ValueError(f"measured step times must be positive and finite, got {y.tolist()}")
-    steps = [amounts(m) for m in measurements]
+    steps = [amounts(m, serial_cost) for m in measurements]
     x = np.stack([a.linear for a in steps]) / y[:, None]
 
     def solve(send_rate: float, efficiency: float) -> tuple[float, np.ndarray]:
@@ -153,6 +161,6 @@ def fit(measurements: Sequence[Measurement]) -> Fit:
         rates = rate * np.logspace(-1, 1, 21, base=rate_step)
         efficiencies = efficiency + np.linspace(-1, 1, 21) * efficiency_step
     _, coefficients = solve(rate, efficiency)
-    fitted = Fit(tuple(float(c) for c in coefficients), float(rate), float(efficiency), ())
+    fitted = Fit(tuple(float(c) for c in coefficients), float(rate), float(efficiency), (), serial_cost)
     errors = tuple((fitted.predict(m) - m.step_s) / m.step_s for m in measurements)
-    return Fit(fitted.coefficients, fitted.send_bytes_per_s, fitted.link_efficiency, errors)
+    return Fit(fitted.coefficients, fitted.send_bytes_per_s, fitted.link_efficiency, errors, serial_cost)

@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                  for size in ("4x256", "6x384")])
     parser.add_argument("--validation-records", type=Path, nargs="+",
                         default=[Path("benchmarks/results/plan/bench_step_8x512/bench_step.json")])
+    parser.add_argument("--collective-rates", type=Path, default=None,
+                        help="with --calibrate: benchmarks/collective_rates.py's JSON, to price each collective's "
+                             "bytes at its own measured rate (default: one fitted rate for all)")
     parser.add_argument("--paper", action="store_true",
                         help="the ZeRO++ paper's throughput figures and an H100 projection, predicted")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/plan"))
@@ -107,7 +110,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.calibrate:
         from zeropp.plan import emulated
 
-        emulated.run(args.calibration_records, args.validation_records, args.out)
+        emulated.run(args.calibration_records, args.validation_records, args.out, args.collective_rates)
         return 0
     if args.paper:
         from zeropp.plan import report

@@ -31,8 +31,8 @@ the same whatever the order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from zeropp.config import ZeroPPConfig
 from zeropp.ledger import GroupKind, Op
@@ -72,6 +72,11 @@ class Machine:
     """A ring's or all-to-all's cost per peer (each of its ``g - 1`` steps or messages)."""
     serial_bytes_per_s: float = float("inf")
     """A CPU backend's rate of moving a rank's sends through the CPU, whatever the link."""
+    serial_cost: Mapping[str, float] = field(default_factory=dict)
+    """What a sent byte of each kind of collective (``serial_kind``: ``"all_gather/world"``,
+    ``"all_gather/node"``, ``"reduce_scatter/node"``, ...) costs the CPU, relative to
+    ``serial_bytes_per_s`` (1 where absent): gloo's all-gathers cost more per byte than its
+    reduce-scatters, measured by ``benchmarks/collective_rates.py``."""
     update_s_per_parameter: float = 0.0
     """The optimizer's time per sharded parameter it updates."""
     backend: str = "nccl"
@@ -103,6 +108,19 @@ def rank_sends(t: Transfer, backend: str) -> int:
     return rounds * (t.group_size - 1) * t.bytes_per_peer
 
 
+def serial_kind(t: Transfer) -> str:
+    """The key of ``Machine.serial_cost`` for ``t``: the op (an all-reduce is priced as gloo's
+    reduce-scatter, which runs one) and whether it runs inside one node."""
+    op = {Op.ALL_GATHER: "all_gather", Op.REDUCE_SCATTER: "reduce_scatter", Op.ALL_REDUCE: "reduce_scatter"}.get(
+        t.op, t.op.value)
+    return f"{op}/{'node' if t.kind is GroupKind.INTRA else 'world'}"
+
+
+def serial_seconds(t: Transfer, machine: Machine) -> float:
+    """The CPU time of a rank's sends in ``t`` on a CPU backend."""
+    return rank_sends(t, machine.backend) * machine.serial_cost.get(serial_kind(t), 1.0) / machine.serial_bytes_per_s
+
+
 def link_bytes(t: Transfer, topology: Topology, backend: str) -> tuple[float, float]:
     """(bytes over one rank's link inside the node, bytes over one node's link to the others)
     for one collective, see [Note: the collective time model]."""
@@ -125,7 +143,7 @@ def transfer_seconds(t: Transfer, topology: Topology, machine: Machine) -> float
         return 0.0
     intra, inter = link_bytes(t, topology, machine.backend)
     link = max(intra / machine.intra_node_bytes_per_s, inter / machine.inter_node_bytes_per_s,
-               rank_sends(t, machine.backend) / machine.serial_bytes_per_s)
+               serial_seconds(t, machine))
     return (machine.latency_s + (t.group_size - 1) * machine.hop_latency_s + link
             + t.coded_elements / machine.codec_elements_per_s)
 

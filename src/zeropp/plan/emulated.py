@@ -71,11 +71,27 @@ def compare(fitted: Fit, measured: Sequence[Measurement]) -> list[dict[str, Any]
     return rows
 
 
-def calibrate(calibration: Sequence[dict[str, Any]], validation: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Fit on the ``calibration`` records and predict the ``validation`` ones (``bench_step.json``s)."""
+def serial_cost(collective_rates: dict[str, Any]) -> dict[str, float]:
+    """``Machine.serial_cost`` from ``benchmarks/collective_rates.py``'s JSON: each collective's
+    sending rate at the largest size timed, relative to the reduce-scatter over the world."""
+    largest = max(row["output_mb"] for row in collective_rates["rows"])
+    rates = {f"{row['op']}/{row['group']}": row["sent_mb_per_s"] for row in collective_rates["rows"]
+             if row["output_mb"] == largest}
+    if "reduce_scatter/world" not in rates:
+        raise ValueError("collective rates must time reduce_scatter over the world (the reference); "
+                         f"got {sorted(rates)}")
+    return {kind: rates["reduce_scatter/world"] / rate for kind, rate in rates.items()}
+
+
+def calibrate(calibration: Sequence[dict[str, Any]], validation: Sequence[dict[str, Any]],
+              collective_rates: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Fit on the ``calibration`` records and predict the ``validation`` ones (``bench_step.json``s);
+    with ``collective_rates``, each collective's bytes are weighted by its measured cost
+    (``serial_cost``), else one sending rate prices them all."""
     fitted_on = [m for record in calibration for m in measurements(record)]
     predicted_for = [m for record in validation for m in measurements(record)]
-    fitted = fit(fitted_on)
+    weights = serial_cost(collective_rates) if collective_rates is not None else {}
+    fitted = fit(fitted_on, weights)
     constants = dict(zip(LINEAR, fitted.coefficients, strict=True))
     return {
         "constants": {
@@ -87,13 +103,14 @@ def calibrate(calibration: Sequence[dict[str, Any]], validation: Sequence[dict[s
             "send_bytes_per_s": fitted.send_bytes_per_s,
             "link_efficiency": fitted.link_efficiency,
         },
+        "serial_cost": weights,
         "fitted": compare(fitted, fitted_on),
         "predicted": compare(fitted, predicted_for),
         "tolerance": TOLERANCE,
         "summary": {
             "fitted_within_tolerance": _within(compare(fitted, fitted_on)),
             "predicted_within_tolerance": _within(compare(fitted, predicted_for)),
-            "all_sizes_fitted_together_within_tolerance": _within(compare(fit([*fitted_on, *predicted_for]),
+            "all_sizes_fitted_together_within_tolerance": _within(compare(fit([*fitted_on, *predicted_for], weights),
                                                                           [*fitted_on, *predicted_for])),
         },
     }
@@ -150,16 +167,23 @@ def plot(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def run(calibration_paths: Sequence[Path], validation_paths: Sequence[Path], out_dir: Path) -> dict[str, Any]:
+def run(calibration_paths: Sequence[Path], validation_paths: Sequence[Path], out_dir: Path,
+        collective_rates_path: Path | None = None) -> dict[str, Any]:
     """Calibrate on some ``bench_step.json``s, predict others; print, write JSON and PNG."""
     for path in [*calibration_paths, *validation_paths]:
         if not path.is_file():
             raise FileNotFoundError(f"{path} does not exist: measure it with zeropp bench step --model LAYERSxWIDTH "
                                     "--param-dtype float32 --no-memory --out <its folder> (docs/measurements.md)")
+    if collective_rates_path is not None and not collective_rates_path.is_file():
+        raise FileNotFoundError(f"{collective_rates_path} does not exist: measure it with zeropp launch --nodes 2 "
+                                "--nproc-per-node 2 --bandwidth unlimited -- benchmarks/collective_rates.py --out "
+                                f"{collective_rates_path}")
+    rates = json.loads(collective_rates_path.read_text()) if collective_rates_path is not None else None
     result = calibrate([json.loads(p.read_text()) for p in calibration_paths],
-                       [json.loads(p.read_text()) for p in validation_paths])
+                       [json.loads(p.read_text()) for p in validation_paths], rates)
     result["calibration_records"] = [str(p) for p in calibration_paths]
     result["validation_records"] = [str(p) for p in validation_paths]
+    result["collective_rates"] = str(collective_rates_path) if collective_rates_path is not None else None
     print(format_table(result))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "plan_calibration.json").write_text(json.dumps(result, indent=2))
