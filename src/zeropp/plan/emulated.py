@@ -4,7 +4,9 @@ measured steps, then predict ``zeropp bench step`` of the 25M GPT, every mode an
 The measurements are ``zeropp bench step`` records (``bench_step.json``): the calibration jobs
 train GPTs of 4 x 256 and 6 x 384 (short steps; two sizes, so that compute splits into its
 FLOPs and its elementwise work, see [Note: calibration]), the validation job the 25M GPT
-(8 x 512), which the fit never sees. Results: ``plan_calibration.json`` and ``.png``.
+(8 x 512), which the fit never sees. With ``benchmarks/collective_rates.py``'s JSON each
+collective's bytes are priced at its own measured cost per byte (``serial_cost``). Results:
+``plan_calibration.json`` and ``.png``.
 """
 
 from __future__ import annotations
