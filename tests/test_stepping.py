@@ -44,6 +44,18 @@ def _train(rank: int, world_size: int, options: dict, in_backward: bool, gather_
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
+    if in_backward:  # one state per unit, each AdamW's own, and it loads back
+        state = steps.state_dict()
+        assert len(state) == 3 and all(len(one["state"]) > 0 for one in state)
+        steps.load_state_dict(state)
+        try:
+            steps.load_state_dict(state[:2])
+            raise AssertionError("a state for 2 of 3 units was accepted")
+        except ValueError as error:
+            assert "2 optimizers' states; this model steps 3" in str(error)
+        steps.close()  # the last step's gathers dropped, nothing stepped in backward any more
+        assert steps.ahead_bytes == 0
+        assert all(rs.after_reduce is None for rs in zeropp.sharded_comms(model).reduce_scatters)
     params = {name: p.full_tensor() for name, p in model.named_parameters()}
     ledger = zeropp.comm_ledger()
     return {"losses": losses, "params": params, "ledger": ledger.summary()["total"],
@@ -117,8 +129,8 @@ def test_step_in_backward_trains_bit_identically(options: dict) -> None:
         assert no_ahead == plain
         assert ahead == {k: plain[k] + 2 * r["started_in_forward"][k] // NUM_STEPS for k in plain}
         # steps 0 and 1 start a gather per unit; step 1's forward drops them (edited weights),
-        # step 2's takes them; step 2's own are left (no forward follows)
-        assert r["counts"] == {"taken": num_units, "dropped": num_units}
+        # step 2's takes them; step 2's own are dropped by close()
+        assert r["counts"] == {"taken": num_units, "dropped": 2 * num_units}
         assert r["no_ahead_counts"] == {"taken": 0, "dropped": 0}
         assert all(held > 0 for held in r["ahead_bytes"])
 
