@@ -83,6 +83,7 @@ class OptimizerInBackward:
         return [optimizer.state_dict() for optimizer in self.optimizers]
 
     def load_state_dict(self, state: list[dict[str, Any]]) -> None:
+        """Load what ``state_dict`` returned, on a model sharded the same way."""
         if len(state) != len(self.optimizers):
             raise ValueError(f"state holds {len(state)} optimizers' states; this model steps {len(self.optimizers)}")
         for optimizer, one in zip(self.optimizers, state):
