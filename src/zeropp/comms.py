@@ -226,7 +226,26 @@ class DecodeOnWait(dist.Work):
         return True
 
 
-Started = tuple["dist.Work | None", Callable[[torch.Tensor], None]]
+class Completion:
+    """What finishes a started gather: writes the ``payload`` it holds into an output (a copy, a
+    decode, a second hop); ``nbytes``: the payload's size, held until then."""
+
+    def __init__(self, payload: torch.Tensor, write: Callable[[torch.Tensor], None]) -> None:
+        self.nbytes, self._write = nbytes(payload), write
+
+    def __call__(self, output_tensor: torch.Tensor) -> None:
+        self._write(output_tensor)
+
+
+def buffered(buffer: torch.Tensor) -> Completion:
+    """The completion of a plain gather into ``buffer``: a copy, unless the output is the buffer."""
+    def copy_into(output_tensor: torch.Tensor) -> None:
+        if output_tensor.data_ptr() != buffer.data_ptr():
+            output_tensor.copy_(buffer)
+    return Completion(buffer, copy_into)
+
+
+Started = tuple["dist.Work | None", Completion]
 """A gather on its way: its work (None once done) and what writes the result into an output."""
 
 
@@ -278,7 +297,7 @@ class GatherAhead:
         if self._ahead is None:
             return 0
         _, input_tensor, (_, complete) = self._ahead
-        return nbytes(input_tensor) + getattr(complete, "nbytes", 0)
+        return nbytes(input_tensor) + complete.nbytes
 
     def gather(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                async_op: bool) -> dist.Work | None:
@@ -306,17 +325,6 @@ class GatherAhead:
         return None
 
 
-class Buffered:
-    """``complete`` of a gather into a buffer: copies it into the output; ``nbytes`` held."""
-
-    def __init__(self, buffer: torch.Tensor) -> None:
-        self.buffer, self.nbytes = buffer, nbytes(buffer)
-
-    def __call__(self, output_tensor: torch.Tensor) -> None:
-        if output_tensor.data_ptr() != self.buffer.data_ptr():
-            output_tensor.copy_(self.buffer)
-
-
 class CountingAllGather(RecordedComm, GatherAhead, AllGather):
     """FSDP2's default all-gather, counted in the ledger."""
 
@@ -329,7 +337,7 @@ class CountingAllGather(RecordedComm, GatherAhead, AllGather):
         if output_tensor is None:
             output_tensor = input_tensor.new_empty(input_tensor.numel() * group.size())
         work = all_gather(output_tensor, input_tensor, group, self.recorder, self.technique, async_op=async_op)
-        return work, Buffered(output_tensor)
+        return work, buffered(output_tensor)
 
 
 class CountingReduceScatter(LateReduceScatter):

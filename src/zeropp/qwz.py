@@ -10,14 +10,13 @@ intra-node group (hpZ's backward gather) the chunk travels in full precision unl
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from zeropp._fsdp import AllGather, UnitLayout
 from zeropp.codec import ChunkCodec, segments_for
-from zeropp.comms import Buffered, GatherAhead, RecordedComm, Started, all_gather, nbytes
+from zeropp.comms import Completion, GatherAhead, RecordedComm, Started, all_gather, buffered
 from zeropp.ledger import CommLedger, GroupKind
 from zeropp.topology import ProcessGroups, Topology
 
@@ -107,7 +106,7 @@ class QuantizedAllGather(RecordedComm, GatherAhead, AllGather):
             if output_tensor is None:
                 output_tensor = input_tensor.new_empty(input_tensor.numel() * info.size)
             work = all_gather(output_tensor, input_tensor, group, self.recorder, "hpZ", async_op=async_op)
-            return work, Buffered(output_tensor)
+            return work, buffered(output_tensor)
         codec = self.codec(info.size, input_tensor.dtype)
         if codec.numel != input_tensor.numel():
             raise RuntimeError(f"qwZ all-gather got a chunk of {input_tensor.numel()} elements, but the "
@@ -119,7 +118,7 @@ class QuantizedAllGather(RecordedComm, GatherAhead, AllGather):
         received = torch.empty((info.size, codec.nbytes), dtype=torch.uint8, device=input_tensor.device)
         work = all_gather(received.view(-1), send.view(-1), group, self.recorder, self.technique,
                           dtype=f"int{self.bits}", async_op=async_op)
-        return work, Decode(received, lambda output: codec.decode(received, output.view(info.size, -1)))
+        return work, Completion(received, lambda output: codec.decode(received, output.view(info.size, -1)))
 
     def _gather_in_two_hops(self, send: torch.Tensor, codec: ChunkCodec, async_op: bool) -> Started:
         """The world gather across nodes, then inside the node: see [Note: two-hop gather]. The
@@ -137,14 +136,4 @@ class QuantizedAllGather(RecordedComm, GatherAhead, AllGather):
             in_rank_order = node.transpose(0, 1).reshape(num_nodes * ranks_per_node, codec.nbytes)
             codec.decode(in_rank_order, output_tensor.view(num_nodes * ranks_per_node, -1))
 
-        return work, Decode(across, finish)
-
-
-class Decode:
-    """``complete`` of a quantized gather: decodes the payload it holds into the output."""
-
-    def __init__(self, payload: torch.Tensor, decode: Callable[[torch.Tensor], None]) -> None:
-        self.nbytes, self._decode = nbytes(payload), decode
-
-    def __call__(self, output_tensor: torch.Tensor) -> None:
-        self._decode(output_tensor)
+        return work, Completion(across, finish)

@@ -26,10 +26,9 @@ from zeropp.plan.cost import (
     Workload,
     activation_elements,
     link_bytes,
-    rank_sends,
-    serial_kind,
     sharded_parameters,
     step_flops,
+    weighted_sends,
 )
 from zeropp.plan.model import ModelShape
 from zeropp.plan.traffic import step_transfers
@@ -73,8 +72,7 @@ def amounts(m: Measurement, serial_cost: Mapping[str, float]) -> _Amounts:
                  if t.group_size > 1]
     linear = np.array([step_flops(m.model, m.workload), activation_elements(m.model, m.workload), len(transfers),
                        sum(t.coded_elements for t in transfers), sharded_parameters(m.model, m.config, m.topology)])
-    sent = np.array([rank_sends(t, "gloo") * serial_cost.get(serial_kind(t), 1.0) for t in transfers],
-                    dtype=np.float64)
+    sent = np.array([weighted_sends(t, "gloo", serial_cost) for t in transfers], dtype=np.float64)
     link = np.zeros(len(transfers))
     if m.link_bytes_per_s is not None:
         link = np.array([link_bytes(t, m.topology, "gloo")[1] for t in transfers]) / m.link_bytes_per_s

@@ -116,9 +116,14 @@ def serial_kind(t: Transfer) -> str:
     return f"{op}/{'node' if t.kind is GroupKind.INTRA else 'world'}"
 
 
+def weighted_sends(t: Transfer, backend: str, serial_cost: Mapping[str, float]) -> float:
+    """``rank_sends`` weighted by the collective's relative CPU cost per byte (``Machine.serial_cost``)."""
+    return rank_sends(t, backend) * serial_cost.get(serial_kind(t), 1.0)
+
+
 def serial_seconds(t: Transfer, machine: Machine) -> float:
     """The CPU time of a rank's sends in ``t`` on a CPU backend."""
-    return rank_sends(t, machine.backend) * machine.serial_cost.get(serial_kind(t), 1.0) / machine.serial_bytes_per_s
+    return weighted_sends(t, machine.backend, machine.serial_cost) / machine.serial_bytes_per_s
 
 
 def link_bytes(t: Transfer, topology: Topology, backend: str) -> tuple[float, float]:
