@@ -34,7 +34,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
     _get_all_gather_input_metadatas,
     _get_param_all_gather_inputs,
 )
-from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
+from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo, TrainingState
 from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
 __all__ = [
@@ -45,11 +45,15 @@ __all__ = [
     "all_gather_input",
     "at_backward_end",
     "backward_id",
+    "before_gradient_reduction",
     "fsdp_units",
+    "give_zero_gradients",
+    "gradients_present",
     "gradients_read_only_after_backward",
     "in_backward",
     "load_state_dict_into",
     "mark_prepared_for_accelerate",
+    "reached_in_backward",
     "register_primary_shards",
     "secondary_bytes_held",
     "shard_versions",
@@ -254,6 +258,49 @@ def at_backward_end(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the running backward pass has run its last node, before
     ``backward()`` returns (after FSDP2's own end-of-backward work, queued before it)."""
     Variable._execution_engine.queue_callback(callback)
+
+
+def before_gradient_reduction(unit: FSDPModule, hook: Callable[[], None]) -> None:
+    """Run ``hook`` at the start of every post-backward of the unit that reduce-scatters its
+    gradients (gradient sync on), before FSDP2 collects the gradients to send; it replaces a hook
+    set before. FSDP2 sends only the parameters that hold a gradient on this rank, so this is
+    where a gradient can still be added (``give_zero_gradients``)."""
+    group = _param_group(unit)
+    if group is None:
+        return
+    original = getattr(group.post_backward, "without_hook", group.post_backward)
+
+    def post_backward(*args: Any) -> Any:
+        if group.reduce_grads:
+            hook()
+        return original(*args)
+
+    post_backward.without_hook = original  # type: ignore[attr-defined]
+    group.post_backward = post_backward
+
+
+def reached_in_backward(unit: FSDPModule) -> bool:
+    """Whether the running backward pass has reached the unit on this rank (FSDP2 ran its
+    pre-backward: autograd computes gradients through it), as opposed to FSDP2 calling its
+    post-backward at the end of backward for a unit this backward never reached."""
+    group = _param_group(unit)
+    return group is not None and group._training_state is TrainingState.PRE_BACKWARD
+
+
+def gradients_present(unit: FSDPModule) -> list[bool]:
+    """Which of the unit's parameters (FSDP2's order) hold a gradient for FSDP2 to reduce-scatter:
+    computed in this backward, or accumulated over micro-steps without gradient sync."""
+    return [fsdp_param.unsharded_accumulated_grad is not None
+            or (hasattr(fsdp_param, "_unsharded_param") and fsdp_param.unsharded_param.grad is not None)
+            for fsdp_param in _fsdp_params([unit])]
+
+
+def give_zero_gradients(unit: FSDPModule, which: Sequence[bool]) -> None:
+    """Give the unit's parameters chosen by ``which`` (FSDP2's order) a zero unsharded gradient,
+    so FSDP2 reduce-scatters them as if autograd had computed zeros."""
+    for fsdp_param, zero in zip(_fsdp_params([unit]), which, strict=True):
+        if zero:
+            fsdp_param.unsharded_param.grad = torch.zeros_like(fsdp_param.unsharded_param)
 
 
 def gradients_read_only_after_backward(unit: FSDPModule, reduce_dtype: torch.dtype,

@@ -9,6 +9,7 @@ and ``CountingReduceScatter`` are FSDP2's default collectives, counted, for plai
 from __future__ import annotations
 
 import datetime
+import os
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -35,6 +36,28 @@ def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+TIMEOUT_ENV = "ZEROPP_TIMEOUT_S"
+
+
+def collective_timeout_s() -> float | None:
+    """Seconds a collective waits for its peers before raising, from ``ZEROPP_TIMEOUT_S``; None
+    when unset (the backend's default: 30 min for gloo, 10 min for NCCL)."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"environment variable {TIMEOUT_ENV}={raw!r} must be a number of seconds > 0")
+    return value
+
+
+class CollectiveError(RuntimeError):
+    """A collective zeropp issued failed: see [Note: a peer that dies]."""
+
+
 class Recorder:
     """Where collectives are recorded: a ledger, the topology, and a per-group cache of the link
     facts the ledger needs (computed once per process group)."""
@@ -42,6 +65,8 @@ class Recorder:
     def __init__(self, topology: Topology, ledger: CommLedger | None = None) -> None:
         self.topology = topology
         self.ledger = ledger if ledger is not None else comm_ledger()
+        self.unit = ""
+        """The unit whose collectives these are (its path in the model), named when one fails."""
         self._groups: dict[dist.ProcessGroup, GroupInfo] = {}
 
     def group_info(self, group: dist.ProcessGroup) -> GroupInfo:
@@ -56,6 +81,54 @@ class Recorder:
                technique: str) -> None:
         self.ledger.record(op, self.group_info(group), bytes_per_peer, dtype, technique)
 
+    def issue(self, op: Op, group: dist.ProcessGroup | None, technique: str,
+              collective: Callable[[], dist.Work | None]) -> dist.Work | None:
+        """Run ``collective`` (a torch.distributed call); its failure, now or when its work is
+        waited for, is raised as a ``CollectiveError`` saying which collective of which unit
+        failed: see [Note: a peer that dies].
+
+        [Note: a peer that dies]
+        When a rank dies (killed, out of memory) or stops calling collectives (stuck, or a
+        branch the others did not take), its peers' next collective fails: at once where the
+        backend sees the connection close (gloo), or when the wait gives up (``ZEROPP_TIMEOUT_S``,
+        else the backend's 30 min for gloo). The backend's message names a socket; zeropp adds
+        the technique, the collective, the unit and the group, so the surviving ranks say where
+        the step stopped, raise and exit non-zero (torchrun then restarts the job, which resumes
+        from the last checkpoint). NCCL aborts the process from its watchdog instead (a
+        timeout in its log, with the collective's sequence number)."""
+        try:
+            work = collective()
+        except RuntimeError as error:
+            raise self.failure(op, group, technique, error) from error
+        return None if work is None else NamedWork(work, lambda error: self.failure(op, group, technique, error))
+
+    def failure(self, op: Op, group: dist.ProcessGroup | None, technique: str, error: Exception) -> CollectiveError:
+        """The error a failed collective raises, in zeropp's terms."""
+        info = self.group_info(group or dist.group.WORLD)
+        unit = f" of unit {self.unit!r}" if self.unit else ""
+        timeout = collective_timeout_s()
+        waited = (f"{TIMEOUT_ENV}={timeout:g} s" if timeout else
+                  f"zeropp.initialize's timeout_s, else the backend's default, 30 min for gloo; {TIMEOUT_ENV} sets it")
+        return CollectiveError(
+            f"zeropp: the {technique} {op.value}{unit} over the {info.kind.value} group ({info.size} ranks) failed on "
+            f"rank {dist.get_rank()}: a peer rank died or stopped calling collectives (the wait is bounded by "
+            f"{waited}). "
+            f"Every rank must run the same forward and backward. The backend said: {error}")
+
+
+class NamedWork(dist.Work):
+    """A collective in flight whose failure, when waited for, is raised in zeropp's terms."""
+
+    def __init__(self, work: dist.Work, failure: Callable[[Exception], CollectiveError]) -> None:
+        super().__init__()
+        self._work, self._failure = work, failure
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        try:
+            return self._work.wait()
+        except RuntimeError as error:
+            raise self._failure(error) from error
+
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, recorder: Recorder,
                technique: str, *, dtype: torch.dtype | str | None = None,
@@ -63,14 +136,16 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
     """Every rank's ``input`` into ``output`` (rank order). ``dtype`` labels the payload in the
     ledger when it is not the tensor's own (a packed uint8 payload of INT8 codes is "int8")."""
     recorder.record(Op.ALL_GATHER, group, nbytes(input), dtype or input.dtype, technique)
-    return _all_gather_tensor(output, input, group=group, async_op=async_op)
+    return recorder.issue(Op.ALL_GATHER, group, technique,
+                          lambda: _all_gather_tensor(output, input, group=group, async_op=async_op))
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup,
                    recorder: Recorder, technique: str, *, async_op: bool = False) -> dist.Work | None:
     """This rank's chunk of ``input`` reduced with ``op`` over the group, into ``output``."""
     recorder.record(Op.REDUCE_SCATTER, group, nbytes(output), input.dtype, technique)
-    return _reduce_scatter_tensor(output, input, op, group, async_op)
+    return recorder.issue(Op.REDUCE_SCATTER, group, technique,
+                          lambda: _reduce_scatter_tensor(output, input, op, group, async_op))
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, split_sizes: list[int], group: dist.ProcessGroup,
@@ -81,15 +156,22 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, split_sizes: list[int]
     goes to each peer (zeropp's exchanges send equal splits to every peer but themselves)."""
     bytes_per_peer = max(split_sizes, default=0) * input.element_size()
     recorder.record(Op.ALL_TO_ALL, group, bytes_per_peer, dtype, technique)
-    return dist.all_to_all_single(output, input, output_split_sizes=split_sizes, input_split_sizes=split_sizes,
-                                  group=group, async_op=async_op)
+    return recorder.issue(Op.ALL_TO_ALL, group, technique, lambda: dist.all_to_all_single(
+        output, input, output_split_sizes=split_sizes, input_split_sizes=split_sizes, group=group, async_op=async_op))
 
 
 def all_reduce_sum(buffer: torch.Tensor, group: dist.ProcessGroup | None, recorder: Recorder,
                    technique: str) -> None:
     """Sum ``buffer`` over the group (default: the world), in place."""
+    all_reduce(buffer, dist.ReduceOp.SUM, group, recorder, technique)
+
+
+def all_reduce(buffer: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None, recorder: Recorder,
+               technique: str, *, async_op: bool = False) -> dist.Work | None:
+    """Reduce ``buffer`` with ``op`` over the group (default: the world), in place."""
     recorder.record(Op.ALL_REDUCE, group or dist.group.WORLD, nbytes(buffer), buffer.dtype, technique)
-    dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
+    return recorder.issue(Op.ALL_REDUCE, group, technique,
+                          lambda: dist.all_reduce(buffer, op=op, group=group, async_op=async_op))
 
 
 def broadcast(tensor: torch.Tensor, source_rank: int, group: dist.ProcessGroup | None, recorder: Recorder,
@@ -99,7 +181,7 @@ def broadcast(tensor: torch.Tensor, source_rank: int, group: dist.ProcessGroup |
     group = group or dist.group.WORLD
     bytes_per_peer = nbytes(tensor) if dist.get_rank() == source_rank else 0
     recorder.record(Op.BROADCAST, group, bytes_per_peer, tensor.dtype, technique)
-    dist.broadcast(tensor, src=source_rank, group=group)
+    recorder.issue(Op.BROADCAST, group, technique, lambda: dist.broadcast(tensor, src=source_rank, group=group))
 
 
 def all_gather_strings(value: str, group: dist.ProcessGroup | None = None) -> list[str]:

@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from zeropp import checkpoint
 from zeropp._fsdp import set_process_group_timeouts
-from zeropp.comms import global_grad_norm_and_overflow
+from zeropp.comms import collective_timeout_s, global_grad_norm_and_overflow
 from zeropp.config import DeepSpeedConfig, parse_deepspeed
 from zeropp.ledger import comm_ledger
 from zeropp.loss_scaler import LossScaler
@@ -49,9 +49,6 @@ from zeropp.sharding import UnitSpec, enable, shard, sharded_comms
 from zeropp.topology import Topology
 
 logger = logging.getLogger("zeropp")
-
-TIMEOUT_ENV = "ZEROPP_TIMEOUT_S"
-
 
 def qgz_comms(model: nn.Module) -> list[HierarchicalQuantizedReduceScatter]:
     """The qgZ reduce-scatter comm of every sharded unit of ``model`` that has one."""
@@ -297,7 +294,7 @@ def initialize(*, model: nn.Module, config: dict[str, Any] | str | os.PathLike[s
     DeepSpeed. ``timeout_s`` (else ``$ZEROPP_TIMEOUT_S``) bounds every collective's wait.
     """
     parsed = parse_deepspeed(config)
-    timeout_s = timeout_s if timeout_s is not None else _timeout_from_env()
+    timeout_s = timeout_s if timeout_s is not None else collective_timeout_s()
     _init_distributed(model, timeout_s)
     topology = topology if topology is not None else Topology.from_env()
     parsed.training.resolve_batch(topology.world_size)  # batch keys wrong: fail before sharding
@@ -321,19 +318,6 @@ def initialize(*, model: nn.Module, config: dict[str, Any] | str | os.PathLike[s
         lr_scheduler = lr_scheduler(optimizer)
     engine = ZeroPPEngine(model, optimizer, lr_scheduler, parsed, topology)
     return engine, optimizer, None, lr_scheduler
-
-
-def _timeout_from_env() -> float | None:
-    raw = os.environ.get(TIMEOUT_ENV)
-    if not raw:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"environment variable {TIMEOUT_ENV}={raw!r} must be a number of seconds > 0")
-    return value
 
 
 def _init_distributed(model: nn.Module, timeout_s: float | None) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import socket
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,10 +24,12 @@ from zeropp._fsdp import (
     fsdp_units,
     gradients_read_only_after_backward,
     set_post_forward_mesh,
+    set_process_group_timeouts,
     set_unshard_async,
     unit_layout,
 )
-from zeropp.comms import CountingAllGather, CountingReduceScatter, all_gather_strings
+from zeropp.agreement import agree, config_view, parameters_view, units_view
+from zeropp.comms import CountingAllGather, CountingReduceScatter, Recorder, collective_timeout_s
 from zeropp.config import ZeroPPConfig
 from zeropp.hpz import (
     check_hpz,
@@ -39,7 +40,15 @@ from zeropp.hpz import (
 from zeropp.qgz import HierarchicalQuantizedReduceScatter
 from zeropp.qwz import QuantizedAllGather, quantized_parameters
 from zeropp.scalars import replicate_scalars, scalar_parameters
-from zeropp.topology import ProcessGroups, Topology, build_process_groups, check_hosts, device_type_of
+from zeropp.topology import (
+    ProcessGroups,
+    Topology,
+    build_process_groups,
+    check_hosts,
+    check_world_size,
+    device_type_of,
+)
+from zeropp.unused import GradientPresence
 
 UnitSpec = Sequence[type[nn.Module] | nn.Module]
 
@@ -65,11 +74,12 @@ def shard(
     _require_process_group("zeropp.shard")
     config = config if config is not None else ZeroPPConfig()
     topology = topology if topology is not None else Topology.from_env()
+    _check_layout(topology, agree([*config_view(config, topology), *parameters_view(model)]))
     check_hpz(config.hpz_partition_size, topology)
     _check_patterns(model, config.unquantized_parameters)
     unit_modules = select_units(model, units)
     scalars = scalar_parameters(model)
-    groups = _process_groups(topology, model, config)
+    groups = build_process_groups(topology, device_type_of(model), config.hpz_partition_size)
     mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
     for module in [*unit_modules, model]:  # hpZ's node mesh is set by _enable ([Note: one node mesh])
         fully_shard(module, mesh=groups.mesh, reshard_after_forward=True, mp_policy=mp_policy,
@@ -95,15 +105,17 @@ def enable(model: nn.Module, config: ZeroPPConfig | None = None, *, topology: To
                          f"{type(model).__name__} is not an FSDPModule (use zeropp.shard for a bare model)")
     config = config if config is not None else ZeroPPConfig()
     topology = topology if topology is not None else Topology.from_env()
+    _check_layout(topology, agree([*config_view(config, topology), *units_view(model)]))
     check_hpz(config.hpz_partition_size, topology)
     _check_patterns(model, config.unquantized_parameters)
-    return _enable(model, config, _process_groups(topology, model, config))
+    return _enable(model, config, build_process_groups(topology, device_type_of(model), config.hpz_partition_size))
 
 
-def _process_groups(topology: Topology, model: nn.Module, config: ZeroPPConfig) -> ProcessGroups:
-    groups = build_process_groups(topology, device_type_of(model), config.hpz_partition_size)
-    check_hosts(topology, all_gather_strings(socket.gethostname()))
-    return groups
+def _check_layout(topology: Topology, hostnames: list[str]) -> None:
+    """The topology fits the process group and the hosts the ranks run on ([Note: ranks that
+    disagree] made sure every rank claims the same one)."""
+    check_world_size(topology)
+    check_hosts(topology, hostnames)
 
 
 def _enable(model: FSDPModule, config: ZeroPPConfig, groups: ProcessGroups) -> nn.Module:
@@ -118,7 +130,13 @@ def _enable(model: FSDPModule, config: ZeroPPConfig, groups: ProcessGroups) -> n
     installed = ShardedComms()
     for unit in units:
         prefix = f"{names[id(unit)]}." if names[id(unit)] else ""
-        installed.add(unit, *_install_comms(unit, groups, config, prefix))
+        all_gather, reduce_scatter = _install_comms(unit, groups, config, prefix)
+        presence = GradientPresence(unit, Recorder(groups.topology))
+        for recorder in (all_gather.recorder, reduce_scatter.recorder, presence.recorder):
+            recorder.unit = names[id(unit)] or "the root"
+        installed.add(unit, all_gather, reduce_scatter, presence)
+    if (timeout_s := collective_timeout_s()) is not None:
+        set_process_group_timeouts(timeout_s)
     if config.overlap:
         prefetch_neighbours(model)
     previous = _SHARDED.get(model)
@@ -207,15 +225,19 @@ class ShardedComms:
     units: list[FSDPModule] = field(default_factory=list)
     all_gathers: list[AllGather] = field(default_factory=list)
     reduce_scatters: list[ReduceScatter] = field(default_factory=list)
+    presences: list[GradientPresence] = field(default_factory=list)
+    """Each unit's gradients made the same on every rank before its reduce-scatter (``zeropp.unused``)."""
     fresh_copy_hooks: bool = False
     """Whether hpZ's never-stale hooks are on the root (installed once per model)."""
 
-    def add(self, unit: FSDPModule, all_gather: AllGather, reduce_scatter: ReduceScatter) -> None:
+    def add(self, unit: FSDPModule, all_gather: AllGather, reduce_scatter: ReduceScatter,
+            presence: GradientPresence) -> None:
         unit.set_custom_all_gather(all_gather)
         unit.set_custom_reduce_scatter(reduce_scatter)
         self.units.append(unit)
         self.all_gathers.append(all_gather)
         self.reduce_scatters.append(reduce_scatter)
+        self.presences.append(presence)
 
     @property
     def qgz(self) -> list[HierarchicalQuantizedReduceScatter]:

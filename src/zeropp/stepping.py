@@ -18,6 +18,7 @@ from torch import nn
 from zeropp._fsdp import FSDPModule, all_gather_input, unit_parameters
 from zeropp.comms import GatherAhead
 from zeropp.sharding import sharded_comms
+from zeropp.unused import GradientPresence
 
 
 class OptimizerInBackward:
@@ -45,9 +46,9 @@ class OptimizerInBackward:
         if not comms.units:
             raise ValueError(f"optimizer_in_backward needs a model sharded by zeropp.shard or zeropp.enable; "
                              f"{type(model).__name__} is not")
-        units = [(unit, all_gather, reduce_scatter, params)
-                 for unit, all_gather, reduce_scatter in zip(comms.units, comms.all_gathers, comms.reduce_scatters,
-                                                             strict=True)
+        units = [(unit, all_gather, reduce_scatter, presence, params)
+                 for unit, all_gather, reduce_scatter, presence in zip(
+                     comms.units, comms.all_gathers, comms.reduce_scatters, comms.presences, strict=True)
                  if (params := [p for p in unit_parameters(unit) if p.requires_grad])]
         stepped = {id(p) for *_, params in units for p in params}
         missed = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in stepped]
@@ -58,10 +59,10 @@ class OptimizerInBackward:
         self.gather_ahead = gather_ahead
         self.optimizers: list[torch.optim.Optimizer] = []
         self._gathers: list[GatherAhead] = []
-        for unit, all_gather, reduce_scatter, params in units:
+        for unit, all_gather, reduce_scatter, presence, params in units:
             optimizer = optimizer_class(params, **optimizer_kwargs)
             gather = all_gather if gather_ahead and isinstance(all_gather, GatherAhead) else None
-            reduce_scatter.after_reduce = functools.partial(_step, unit, optimizer, gather)
+            reduce_scatter.after_reduce = functools.partial(_step, unit, optimizer, presence, gather)
             self.optimizers.append(optimizer)
             if gather is not None:
                 self._gathers.append(gather)
@@ -98,8 +99,11 @@ class OptimizerInBackward:
             gather.drop_ahead()
 
 
-def _step(unit: FSDPModule, optimizer: torch.optim.Optimizer, gather: GatherAhead | None) -> None:
-    """One unit's step, and the start of its gather for the next forward."""
+def _step(unit: FSDPModule, optimizer: torch.optim.Optimizer, presence: GradientPresence,
+          gather: GatherAhead | None) -> None:
+    """One unit's step (parameters no rank had a gradient for skipped), and the start of its
+    gather for the next forward."""
+    presence.resolve()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if gather is not None and (started := all_gather_input(unit)) is not None:

@@ -129,6 +129,15 @@ def check_hosts(topology: Topology, hostnames: Sequence[str]) -> None:
         )
 
 
+def check_world_size(topology: Topology) -> None:
+    """The topology has as many ranks as the initialised process group."""
+    if dist.get_world_size() != topology.world_size:
+        raise ValueError(
+            f"topology {topology.num_nodes} nodes x {topology.ranks_per_node} ranks = "
+            f"{topology.world_size} ranks, but the process group has {dist.get_world_size()}"
+        )
+
+
 @dataclass(frozen=True)
 class ProcessGroups:
     """The groups one rank needs, built once and passed explicitly to whatever communicates."""
@@ -153,11 +162,7 @@ def build_process_groups(topology: Topology, device_type: str = "cpu", hpz_parti
     """
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call dist.init_process_group first")
-    if dist.get_world_size() != topology.world_size:
-        raise ValueError(
-            f"topology {topology.num_nodes} nodes x {topology.ranks_per_node} ranks = "
-            f"{topology.world_size} ranks, but the process group has {dist.get_world_size()}"
-        )
+    check_world_size(topology)
     rank = dist.get_rank()
     mesh = init_device_mesh(device_type, (topology.world_size,))
     intra = _new_groups([topology.node_ranks(n) for n in range(topology.num_nodes)], rank)

@@ -69,7 +69,7 @@ class _Amounts:
 def amounts(m: Measurement, serial_cost: Mapping[str, float]) -> _Amounts:
     """``sent`` is weighted by each collective's ``serial_cost`` (bytes at the reference rate)."""
     transfers = [t for unit in step_transfers(m.model, m.config, m.topology, m.workload.precision) for t in unit
-                 if t.group_size > 1]
+                 if t.group_size > 1 and not t.background]
     linear = np.array([step_flops(m.model, m.workload), activation_elements(m.model, m.workload), len(transfers),
                        sum(t.coded_elements for t in transfers), sharded_parameters(m.model, m.config, m.topology)])
     sent = np.array([weighted_sends(t, "gloo", serial_cost) for t in transfers], dtype=np.float64)

@@ -200,7 +200,8 @@ def sharded_parameters(model: ModelShape, config: ZeroPPConfig | None, topology:
 def step_time(model: ModelShape, config: ZeroPPConfig | None, topology: Topology, workload: Workload,
               machine: Machine) -> StepTime:
     """One training step of ``model`` in a mode (``config``; None for HSDP) on ``machine``."""
-    per_unit = step_transfers(model, config, topology, workload.precision)
+    per_unit = [[t for t in unit if not t.background] for unit in step_transfers(model, config, topology,
+                                                                                    workload.precision)]
     compute = unit_compute_s(model, workload, machine)
     comm = [{phase: sum(transfer_seconds(t, topology, machine) for t in unit if _phase(t) == phase)
              for phase in ("forward_gather", "backward_gather", "reduce")} for unit in per_unit]

@@ -16,6 +16,8 @@ rank's chunk of a unit is the sum of ``ceil(d0 / G) * rest`` over its parameters
   unless ``quantize_intra_node_weights``).
 - qgZ: the reduce-scatter becomes two all-to-alls; a rank sends each node peer the N chunks it
   owes that peer's local index, then each remote node one chunk, never its own rows.
+- Every zeropp mode: one byte per parameter of each trainable unit, all-reduced in backward
+  (which ranks had a gradient, ``zeropp.unused``).
 
 A 0-dim parameter is kept whole on every rank and its gradient all-reduced after each backward
 (``zeropp.scalars``).
@@ -52,6 +54,9 @@ class Transfer:
     dtype: str
     coded_elements: int = 0
     """Elements this rank quantizes and dequantizes for it (qwZ, qgZ; not a ledger count)."""
+    background: bool = False
+    """Started asynchronously and waited for only when its result is used, with a few bytes:
+    counted in the ledger, given no time by the cost model (``zeropp.unused``'s exchange)."""
 
     @property
     def factor(self) -> int:
@@ -88,7 +93,16 @@ def unit_transfers(unit: UnitShape, config: ZeroPPConfig | None, topology: Topol
     world = topology.world_size
     padded = padded_numels(unit, world)
     gather = _gathers(unit, padded, config, topology, precision)
-    return [*gather, *_reduce(unit, padded, config, topology, precision)]
+    return [*gather, *_reduce(unit, padded, config, topology, precision), *_presence(unit, topology)]
+
+
+def _presence(unit: UnitShape, topology: Topology) -> list[Transfer]:
+    """[Note: gradients some ranks lack] (``zeropp.unused``): one byte per parameter of a unit
+    with trainable parameters, max-reduced over the world in backward."""
+    if not any(unit.trainable):
+        return []
+    return [Transfer(Op.ALL_REDUCE, GroupKind.WORLD, topology.world_size, len(unit.shapes), "backward", "presence",
+                     "uint8", background=True)]
 
 
 class _Payload(NamedTuple):
