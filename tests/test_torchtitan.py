@@ -39,7 +39,8 @@ CPU_OVERRIDES = ["--training.mixed_precision_param", "float32", "--training.seq_
 MODES = {
     "torchtitan": None,  # parallelize_llama alone: FSDP2's own comms
     "zero3": zeropp.ZeroPPConfig(),
-    "all": zeropp.ZeroPPConfig(quantized_weights=True, quantized_gradients=True),
+    "hpz": zeropp.ZeroPPConfig(hpz_partition_size=2),
+    "all": zeropp.ZeroPPConfig(quantized_weights=True, hpz_partition_size=2, quantized_gradients=True),
 }
 
 
@@ -172,11 +173,12 @@ def _torchtitan_worker(rank: int, world_size: int) -> dict:
     return {
         "losses": {mode: run["losses"] for mode, run in runs.items()},
         "zero3_shards_equal": all(torch.equal(a, b) for a, b in zip(zero3["shards"], reference["shards"])),
+        "hpz_shards_equal": all(torch.equal(a, b) for a, b in zip(runs["hpz"]["shards"], zero3["shards"])),
         "max_parameter_difference": max((a - b).abs().max().item() for a, b in zip(every["shards"], zero3["shards"])
                                         if a.numel()),
         "parameter_bound": sum(2 * lr * adam_step_bound(t + 1, zero3["betas"]) for t, lr in enumerate(zero3["lrs"])),
         "first_loss_worst": loss_terms[0].item(), "first_loss_sigma": loss_terms[1].sqrt().item(),
-        "ledgers": {mode: runs[mode]["ledger"] for mode in ("zero3", "all")},
+        "ledgers": {mode: runs[mode]["ledger"] for mode in ("zero3", "hpz", "all")},
     }
 
 
@@ -186,12 +188,13 @@ def runs() -> list[dict]:
 
 
 @pytest.mark.slow
-def test_zero3_through_zeropp_is_torchtitans_fsdp2_bit_for_bit(runs: list[dict]) -> None:
+def test_zero3_and_hpz_through_zeropp_are_torchtitans_fsdp2_bit_for_bit(runs: list[dict]) -> None:
     """Same losses and parameters after the AdamW steps: zeropp's counted comms compute what
-    FSDP2's own compute (PREMUL_SUM(1.0) as a sum on gloo)."""
+    FSDP2's own compute (PREMUL_SUM(1.0) as a sum on gloo), and hpZ's backward gathers inside
+    the node bring back the same weights."""
     for rank in runs:
-        assert rank["losses"]["zero3"] == rank["losses"]["torchtitan"]
-        assert rank["zero3_shards_equal"]
+        assert rank["losses"]["zero3"] == rank["losses"]["hpz"] == rank["losses"]["torchtitan"]
+        assert rank["zero3_shards_equal"] and rank["hpz_shards_equal"]
 
 
 @pytest.mark.slow
@@ -217,38 +220,42 @@ def _cross_node(rows: list[dict], **match: str) -> int:
 
 @pytest.mark.slow
 def test_the_ledger_shows_zeropp_traffic(runs: list[dict]) -> None:
-    """Every gather is qwZ's INT8 and every gradient exchange qgZ's INT4 (no full-precision
-    reduce-scatter left). Cross-node bytes against ZeRO-3's fp32: qwZ sends a byte per element
-    and an fp32 scale per 256, (1 + 4/256) / 4 = 0.2539 of fp32; qgZ sends its inter-node hop
-    only, 1/D of the chunks at half a byte plus 4/256, (0.5 + 4/256) / 2 / 4 = 0.0645 of the
+    """The forward gathers are qwZ's INT8, the backward gathers hpZ's, inside the node (none
+    crosses it), and every gradient exchange qgZ's INT4 (no full-precision reduce-scatter
+    left). Cross-node bytes against ZeRO-3's fp32: qwZ sends a byte per element and an fp32
+    scale per 256, (1 + 4/256) / 4 = 0.2539 of fp32; qgZ sends its inter-node hop only, 1/D of
+    the chunks at half a byte plus 4/256, (0.5 + 4/256) / 2 / 4 = 0.0645 of the
     reduce-scatter's (2 x 2); padding to whole blocks and 4-byte words adds a little."""
     for rank in runs:
         zero3, every = rank["ledgers"]["zero3"], rank["ledgers"]["all"]
-        assert {(r["op"], r["dtype"], r["technique"]) for r in every} == {
-            ("all_gather", "int8", "qwZ"), ("all_to_all", "int4", "qgZ")}
-        for phase in ("forward", "backward"):
-            ratio = (_cross_node(every, op="all_gather", phase=phase)
-                     / _cross_node(zero3, op="all_gather", phase=phase))
-            assert 0.2539 <= ratio <= 0.255, (phase, ratio)
+        assert {(r["op"], r["phase"], r["kind"], r["dtype"], r["technique"]) for r in every} == {
+            ("all_gather", "forward", "world", "int8", "qwZ"), ("all_gather", "backward", "intra", "float32", "hpZ"),
+            ("all_to_all", "backward", "intra", "int4", "qgZ"), ("all_to_all", "backward", "inter", "int4", "qgZ")}
+        assert _cross_node(every, technique="hpZ") == 0 < _cross_node(zero3, op="all_gather", phase="backward")
+        ratio = _cross_node(every, technique="qwZ") / _cross_node(zero3, op="all_gather", phase="forward")
+        assert 0.2539 <= ratio <= 0.255, ratio
         ratio = _cross_node(every, technique="qgZ") / _cross_node(zero3, op="reduce_scatter")
         assert 0.0644 <= ratio <= 0.065, ratio
 
 
-def test_the_config_loads_through_torchtitans_command_line(tmp_path) -> None:
+def test_the_config_loads_through_torchtitans_command_line(tmp_path, monkeypatch) -> None:
     """``--module zeropp.torchtitan --config llama3_debugmodel`` (torchtitan's ConfigManager,
-    command-line overrides applied): llama3's spec with ``parallelize_llama`` then
-    ``zeropp.enable``, on the 1-D FSDP mesh; a user's config function gets the same from a
-    DeepSpeed JSON file."""
+    command-line overrides applied) under torchrun's environment for 2 nodes x 2: llama3's spec
+    with ``parallelize_llama`` then ``zeropp.enable`` with all three (hpZ over a node), on the
+    1-D FSDP mesh; a user's config function gets the same from a DeepSpeed JSON file."""
     from torchtitan.config import ConfigManager
     from torchtitan.models.llama3 import parallelize_llama
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
     from zeropp.torchtitan import ZeroPPParallelize, with_zeropp
 
+    monkeypatch.delenv("ZEROPP_RANKS_PER_NODE", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     config = ConfigManager().parse_args(["--module", "zeropp.torchtitan", "--config", "llama3_debugmodel",
                                          "--training.steps", "7"])
-    assert config.model_spec.parallelize_fn == ZeroPPParallelize(
-        parallelize_llama, zeropp.ZeroPPConfig(quantized_weights=True, quantized_gradients=True))
+    assert config.model_spec.parallelize_fn == ZeroPPParallelize(parallelize_llama, zeropp.ZeroPPConfig(
+        quantized_weights=True, hpz_partition_size=2, quantized_gradients=True))
     assert (config.training.steps, config.parallelism.spmd_backend) == (7, "partial_dtensor")
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 3, "zero_quantized_weights": True,

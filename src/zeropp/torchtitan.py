@@ -9,8 +9,8 @@ parallelizes as before and then adds ZeRO++ to the FSDP2 units it made, so a use
 module is a few lines (README, "Bring your own stack"):
 
     def llama3_8b_zeropp():
-        return with_zeropp(llama3_8b(), zeropp.ZeroPPConfig(quantized_weights=True,
-                                                             quantized_gradients=True))
+        return with_zeropp(llama3_8b(), zeropp.ZeroPPConfig(
+            quantized_weights=True, hpz_partition_size=8, quantized_gradients=True))
 
 ``llama3_debugmodel`` below is one, for torchtitan's debug model with every technique:
 ``torchrun ... -m torchtitan.train --module zeropp.torchtitan --config llama3_debugmodel``.
@@ -30,6 +30,7 @@ from torch import nn
 
 from zeropp.config import ZeroPPConfig
 from zeropp.sharding import enable
+from zeropp.topology import Topology
 
 SPMD_BACKEND = "partial_dtensor"
 """torchtitan's ``parallelism.spmd_backend`` whose FSDP2 units shard over a 1-D data-parallel
@@ -92,7 +93,12 @@ def with_zeropp(config: Any, zeropp_config: ZeroPPConfig | str | os.PathLike[str
 
 
 def llama3_debugmodel() -> Any:
-    """torchtitan's llama3 debug model and training config, with qwZ and qgZ."""
+    """torchtitan's llama3 debug model and training config with every technique: qwZ, qgZ, and
+    hpZ over each node's ranks when there are several nodes (from torchrun's environment,
+    ``Topology.from_env``; on one node hpZ would only add work)."""
     from torchtitan.models.llama3.config_registry import llama3_debugmodel as debugmodel
 
-    return with_zeropp(debugmodel(), ZeroPPConfig(quantized_weights=True, quantized_gradients=True))
+    topology = Topology.from_env()
+    hpz_partition_size = topology.ranks_per_node if topology.num_nodes > 1 else 1
+    return with_zeropp(debugmodel(), ZeroPPConfig(quantized_weights=True, hpz_partition_size=hpz_partition_size,
+                                                  quantized_gradients=True))
