@@ -60,8 +60,8 @@ def _read_after_backward() -> dict:
     block = model[0]
     avg, fp32 = dist.ReduceOp.AVG, torch.float32
     result = {"fresh": gradients_read_only_after_backward(block, fp32, avg),
-              "sum": gradients_read_only_after_backward(block, fp32, dist.ReduceOp.SUM),
-              "bf16": gradients_read_only_after_backward(block, torch.bfloat16, avg)}
+              "bf16": gradients_read_only_after_backward(block, torch.bfloat16, avg),
+              "after_division": _read_after_division()}
     events: list[tuple[str, int]] = []
     x = torch.randn(2, 6, requires_grad=True)
     x.register_hook(lambda grad: events.append(("hook", backward_id())))
@@ -75,6 +75,31 @@ def _read_after_backward() -> dict:
     result["zeroed"] = gradients_read_only_after_backward(block, fp32, avg)
     block.linear.weight.register_post_accumulate_grad_hook(lambda p: None)
     result["hooked"] = gradients_read_only_after_backward(block, fp32, avg)
+    return result
+
+
+def _read_after_division() -> dict[str, bool]:
+    """``gradients_read_only_after_backward`` under each op FSDP2 hands the comm (comms [Note:
+    the reductions FSDP2 asks for]): FSDP2 divides after the collective only with a SUM whose
+    factor is not 1; an all-reduce hook reads the output after the collective too."""
+    model = nn.Sequential(Block(), nn.Linear(5, 1))
+    fully_shard(model[0])
+    fully_shard(model)
+    block, fp32, total = model[0], torch.float32, dist.ReduceOp.SUM
+    block.set_force_sum_reduction_for_comms(True)  # no factor set: divided by the world size after
+    result = {"forced_sum_default_factor": gradients_read_only_after_backward(block, fp32, total)}
+    block.set_gradient_divide_factor(3.0)
+    result["forced_sum_by_3"] = gradients_read_only_after_backward(block, fp32, total)
+    block.set_gradient_divide_factor(1.0)
+    result["forced_sum_by_1"] = gradients_read_only_after_backward(block, fp32, total)
+    block.set_force_sum_reduction_for_comms(False)
+    for factor in (1.0, 3.0):  # set_gradient_divide_factor(f): PREMUL_SUM(1 / f)
+        block.set_gradient_divide_factor(factor)
+        result[f"premul_{factor:g}"] = gradients_read_only_after_backward(
+            block, fp32, dist._make_nccl_premul_sum(1 / factor))
+    block.set_gradient_divide_factor(4.0)  # the world size: AVG
+    block.set_all_reduce_hook(lambda output: None)
+    result["all_reduce_hook"] = gradients_read_only_after_backward(block, fp32, dist.ReduceOp.AVG)
     return result
 
 
@@ -110,11 +135,15 @@ def test_unit_layout_reads_fsdp2_flat_buffer_order(fsdp_state: dict, reshard: bo
 
 
 def test_gradients_read_only_after_backward_and_backward_callbacks(fsdp_state: dict) -> None:
-    """A unit's reduce-scatter output may be written late only with AVG, the parameters' own
-    dtype, no gradient to accumulate into and no post-accumulate-grad hook; each backward has
+    """A unit's reduce-scatter output may be written late only where FSDP2 divides nothing after
+    the collective, in the parameters' own dtype, with no gradient to accumulate into, no
+    all-reduce hook and no post-accumulate-grad hook; each backward has
     its own id, and a callback queued inside backward runs before ``backward()`` returns."""
     result = fsdp_state["read_after_backward"]
-    assert (result["fresh"], result["sum"], result["bf16"]) == (True, False, False)
+    assert (result["fresh"], result["bf16"]) == (True, False)
+    assert result["after_division"] == {"premul_1": True, "premul_3": True, "forced_sum_by_3": False,
+                                        "forced_sum_by_1": True, "forced_sum_default_factor": False,
+                                        "all_reduce_hook": False}
     assert (result["with_grads"], result["zeroed"], result["hooked"]) == (False, True, False)
     (hook1, id1), (end1, end_id1), (ret1, out1), (hook2, id2), (end2, end_id2), (ret2, out2) = result["events"]
     assert (hook1, end1, ret1, hook2, end2, ret2) == ("hook", "end", "returned") * 2

@@ -205,6 +205,22 @@ def _qgz_worker(rank: int, world_size: int) -> list[dict]:
             results.append({"layout": (num_nodes, ranks_per_node), "dtype": str(dtype),
                             "excess": excess, "max_error": error.max().item(),
                             "max_bound": (bound / world_size).max().item()})
+        for label, op, factor in [("SUM", dist.ReduceOp.SUM, 1.0),  # the other ops FSDP2 asks for
+                                  ("PREMUL_SUM(1)", dist._make_nccl_premul_sum(1.0), 1.0),
+                                  ("PREMUL_SUM(1/3)", dist._make_nccl_premul_sum(1 / 3), 1 / 3)]:
+            comm = HierarchicalQuantizedReduceScatter(groups, [world_size * s for s in segments], bits_intra=4,
+                                                      bits_inter=4, block_size=BLOCK)
+            inputs = [torch.randn(world_size * chunk, generator=torch.Generator().manual_seed(r))
+                      for r in range(world_size)]
+            inputs[0][7] = 30.0
+            out = torch.empty(chunk)
+            comm(out, inputs[rank].clone(), groups.mesh.get_group(), op)
+            exact, bound = reference_and_bound(inputs, topology, rank, segments, 4, 4)
+            # the factor scales the sum and its bound; the product rounds once more (an ulp is ample)
+            error = (out.double() - factor * exact).abs()
+            excess = (error - factor * (bound + exact.abs() * 2 ** -23)).max().item()
+            results.append({"layout": (num_nodes, ranks_per_node), "dtype": label, "excess": excess,
+                            "max_error": error.max().item(), "max_bound": (factor * bound).max().item()})
         for code in CODES:
             comm = HierarchicalQuantizedReduceScatter(groups, [world_size * s for s in segments], bits_intra=4,
                                                       bits_inter=4, block_size=BLOCK, code=code, seed=3)
@@ -241,7 +257,9 @@ def _qgz_worker(rank: int, world_size: int) -> list[dict]:
 @pytest.mark.parametrize("world_size", [pytest.param(w, marks=[pytest.mark.slow] * (w > 4)) for w in sorted(LAYOUTS)])
 def test_hierarchical_reduce_scatter_within_bound(world_size: int) -> None:
     """Against the exact fp32 mean for layouts 1x4, 4x1, 2x2, 2x3, 3x2, 2x4, INT4/INT4 and
-    INT8/INT4, fp32 and bf16: every element within the two-hop bound of reference_and_bound; with
+    INT8/INT4, fp32 and bf16: every element within the two-hop bound of reference_and_bound; the
+    same for the sum (SUM, PREMUL_SUM(1.0)) and a third of it (PREMUL_SUM(1/3)), the bound
+    scaled alike; with
     the lower-error codes (rotation with normal levels, rotation with stochastic rounding, normal
     levels with 8-bit block scales), every
     block within the L2 bound of reference_and_block_bound."""

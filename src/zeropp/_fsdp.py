@@ -6,10 +6,11 @@ it has already prepared.
 
 FSDP2's public surface (``fully_shard``, ``FSDPModule.set_custom_all_gather`` and friends) does
 not say how a unit lays out its flat buffers, which mesh its post-forward reshard uses, or which
-comm it holds. zeropp needs those facts to size its codecs and account for hpZ's secondary copy,
-so each is read here, behind a small function with a tested contract; when torch moves a private
-name, this file is the only one to change. Verified against torch 2.11 and 2.13
-(``tests/test_fsdp_access.py``).
+comm it holds, nor when it divides the gradients around its reduce-scatter; c10d does not name a
+PREMUL_SUM op's factor on torch 2.11. zeropp needs those facts to size its codecs, account for
+hpZ's secondary copy and compute the reduction FSDP2 asks for, so each is read here, behind a
+small function with a tested contract; when torch moves a private name, this file is the only
+one to change. Verified against torch 2.11 and 2.13 (``tests/test_fsdp_access.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
     _get_all_gather_input_metadatas,
+    _get_gradient_divide_factors,
     _get_param_all_gather_inputs,
 )
 from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo, TrainingState
@@ -54,6 +56,7 @@ __all__ = [
     "load_state_dict_into",
     "mark_prepared_for_accelerate",
     "reached_in_backward",
+    "reduce_op_parts",
     "register_primary_shards",
     "secondary_bytes_held",
     "shard_versions",
@@ -307,16 +310,42 @@ def gradients_read_only_after_backward(unit: FSDPModule, reduce_dtype: torch.dty
                                        op: dist.ReduceOp) -> bool:
     """Whether FSDP2 leaves the unit's reduce-scatter output alone until backward ends, so a
     comm may fill it later: every sharded gradient becomes a view of the output (no gradient to
-    add it to, no cast to another dtype, no division after the collective (``op`` is AVG), no
-    HSDP all-reduce, no CPU offload) and no post-accumulate-grad hook reads it in backward."""
+    add it to, no cast to another dtype, no division after the collective, no HSDP all-reduce,
+    no all-reduce hook, no CPU offload) and no post-accumulate-grad hook reads it in backward."""
     group = _param_group(unit)
-    if group is None or op != dist.ReduceOp.AVG or isinstance(group.mesh_info, HSDPMeshInfo):
+    if (group is None or isinstance(group.mesh_info, HSDPMeshInfo) or group._all_reduce_hook is not None
+            or _divides_after_reduce_scatter(group, reduce_dtype, op)):
         return False
     return all(
         fsdp_param.sharded_param.grad is None and fsdp_param.sharded_param.dtype == reduce_dtype
         and not fsdp_param.offload_to_cpu
         and not getattr(fsdp_param.sharded_param, "_post_accumulate_grad_hooks", None)
         for fsdp_param in group.fsdp_params)
+
+
+def _divides_after_reduce_scatter(group: Any, reduce_dtype: torch.dtype, op: dist.ReduceOp) -> bool:
+    """Whether FSDP2 divides the unit's reduce-scatter output after the collective: only with
+    SUM (AVG and PREMUL_SUM carry the whole division), by the post-divide factor of FSDP2's own
+    rule for the unit's settings, unless that is 1 (``comms`` [Note: the reductions FSDP2 asks
+    for])."""
+    if reduce_op_parts(op)[0] != dist.ReduceOp.SUM:
+        return False
+    post_divide_factor = _get_gradient_divide_factors(
+        group._reduce_scatter_process_group, None, reduce_dtype, group.device.type,
+        group.gradient_divide_factor, group.force_sum_reduction_for_comms)[1]
+    return post_divide_factor is not None and post_divide_factor != 1
+
+
+def reduce_op_parts(op: dist.ReduceOp | dist.ReduceOp.RedOpType
+                    ) -> tuple[dist.ReduceOp.RedOpType, float | torch.Tensor | None]:
+    """A c10d reduce op as its kind (``ReduceOp.SUM``, ``PREMUL_SUM``, ...) and, for PREMUL_SUM,
+    the factor each rank's input is multiplied by (None for the other kinds). torch 2.13 names
+    the factor ``op.factor``; 2.11 gives it only through the op's pickled state, which both
+    versions share."""
+    if isinstance(op, dist.ReduceOp.RedOpType):
+        return op, None
+    kind, factor = op.__getstate__()
+    return kind, factor
 
 
 def set_process_group_timeouts(timeout_s: float) -> None:

@@ -12,11 +12,12 @@ import datetime
 import os
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from zeropp._fsdp import AllGather, ReduceScatter, at_backward_end, backward_id, in_backward
+from zeropp._fsdp import AllGather, ReduceScatter, at_backward_end, backward_id, in_backward, reduce_op_parts
 from zeropp.ledger import CommLedger, GroupInfo, Op, comm_ledger
 from zeropp.topology import Topology
 
@@ -140,9 +141,78 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
                           lambda: _all_gather_tensor(output, input, group=group, async_op=async_op))
 
 
+@dataclass(frozen=True)
+class Reduction:
+    """What a gradient reduce-scatter computes from the ranks' chunks: their sum, divided by the
+    group's size (AVG) or with every chunk multiplied by ``factor`` first (PREMUL_SUM). See
+    [Note: the reductions FSDP2 asks for].
+
+    [Note: the reductions FSDP2 asks for]
+    FSDP2 (``_fsdp_collectives.foreach_reduce`` and ``_get_gradient_divide_factors``, the same
+    in torch 2.11 and 2.13) hands a reduce-scatter comm one of three ops, never another:
+    - reduce dtype fp32 or bf16, sums not forced: AVG by default, and when the unit's
+      ``set_gradient_divide_factor(f)`` equals the shard group's size; any other ``f``:
+      PREMUL_SUM with factor 1/f (torchtitan sets f = 1.0, so PREMUL_SUM(1.0)). Nothing
+      divides the output after the collective.
+    - sums forced (``set_force_sum_reduction_for_comms(True)``, and always on MTIA): SUM, and
+      FSDP2 divides the output by ``f`` (default: the data-parallel size) after it.
+    - any other reduce dtype (fp16, for overflow's sake): SUM, with the input divided by a power
+      of two about sqrt(f) before and the output by the rest after.
+    With HSDP the op runs on the shard group and an all-reduce follows; with one rank no comm
+    is called. PREMUL_SUM is NCCL's: each rank's input times the factor, then summed. Gloo
+    cannot run it, so on any backend but NCCL the primitive multiplies the input by the factor
+    and sums: the same products rounded the same way as NCCL's (summing first and scaling the
+    sum would round differently unless the factor is a power of two). The input is FSDP2's
+    scratch buffer, never read after the call (FSDP2 itself divides it in place before an fp16
+    sum), so it is scaled in place. qgZ sums in fp32 and applies the factor (or AVG's division)
+    once, to the total.
+    """
+
+    kind: dist.ReduceOp.RedOpType
+    factor: float | None = None
+    """PREMUL_SUM's factor; None for AVG and SUM."""
+
+    def apply(self, total: torch.Tensor, group_size: int) -> torch.Tensor:
+        """The reduction of a sum ``total`` over ``group_size`` ranks, in place."""
+        if self.kind == dist.ReduceOp.AVG:
+            return total.div_(group_size)
+        if self.factor is not None and self.factor != 1:
+            return total.mul_(self.factor)
+        return total
+
+
+_SUPPORTED_REDUCTIONS = ("ReduceOp.AVG, ReduceOp.SUM, or ReduceOp.PREMUL_SUM with a float factor "
+                         "(dist._make_nccl_premul_sum(factor)), the ops FSDP2 asks for")
+
+
+def reduction_of(op: dist.ReduceOp) -> Reduction:
+    """The reduction ``op`` asks for; a ValueError for an op FSDP2 never passes (MAX, a
+    PREMUL_SUM whose factor is a per-rank tensor, ...)."""
+    kind, factor = reduce_op_parts(op)
+    if kind in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
+        return Reduction(kind)
+    if kind == dist.ReduceOp.PREMUL_SUM and isinstance(factor, float):
+        return Reduction(kind, factor)
+    shown = f"ReduceOp.{kind.name}" + (f" with factor {factor!r}" if factor is not None else "")
+    raise ValueError(f"a gradient reduce-scatter with {shown} is not supported; supported: {_SUPPORTED_REDUCTIONS}")
+
+
+def runs_premul_sum(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether the backend that runs ``group``'s collectives on ``device`` has PREMUL_SUM (NCCL)."""
+    backends = dict(entry.split(":") for entry in dist.get_backend_config(group).split(","))
+    return backends.get(device.type) == "nccl"
+
+
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup,
                    recorder: Recorder, technique: str, *, async_op: bool = False) -> dist.Work | None:
-    """This rank's chunk of ``input`` reduced with ``op`` over the group, into ``output``."""
+    """This rank's chunk of ``input`` reduced with ``op`` over the group, into ``output``. A
+    PREMUL_SUM on a backend without it multiplies ``input`` in place and sums ([Note: the
+    reductions FSDP2 asks for])."""
+    reduction = reduction_of(op)
+    if reduction.factor is not None and not runs_premul_sum(group, input.device):
+        if reduction.factor != 1:
+            input.mul_(reduction.factor)
+        op = dist.ReduceOp.SUM
     recorder.record(Op.REDUCE_SCATTER, group, nbytes(output), input.dtype, technique)
     return recorder.issue(Op.REDUCE_SCATTER, group, technique,
                           lambda: _reduce_scatter_tensor(output, input, op, group, async_op))

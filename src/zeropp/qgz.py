@@ -4,8 +4,9 @@ FSDP2 ``ReduceScatter`` comm, with optional error feedback and lower-error block
 
 Intra-node first (the fast links carry the big exchange), then inter-node with what is left: a
 rank sends (N - 1)/N x M/D x bits/8 bytes across nodes where a bf16 ring reduce-scatter sends
-(W - 1)/W x M x 2. Between the hops the partial sums are reduced in fp32, and AVG divides by
-the world size exactly (DeepSpeed's divides by the number of nodes).
+(W - 1)/W x M x 2. Between the hops the partial sums are reduced in fp32; then AVG divides by
+the world size exactly (DeepSpeed's divides by the number of nodes) and PREMUL_SUM multiplies
+by its factor (``comms`` [Note: the reductions FSDP2 asks for]).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from zeropp.codec import ChunkCodec, segments_for
-from zeropp.comms import LateReduceScatter, all_to_all, nbytes
+from zeropp.comms import LateReduceScatter, Reduction, all_to_all, nbytes, reduction_of
 from zeropp.gradcode import GradientCode
 from zeropp.ledger import CommLedger
 from zeropp.topology import ProcessGroups
@@ -66,7 +67,8 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
     every node; hop 1 sends them to local rank d, which sums what its node's D ranks sent (the
     partial sums for node n's rank d), and hop 2 sends partial n to node n over the inter-node
     group, where the N partials are summed: each rank ends with its own chunk's total. AVG then
-    divides by W exactly. With one node or one rank per node, one hop vanishes.
+    divides by W exactly, PREMUL_SUM multiplies by its factor. With one node or one rank per
+    node, one hop vanishes.
 
     Each parameter's slice of a chunk is quantized on its own when the chunk is laid out as the
     unit's trainable parameters (the usual case); otherwise (a parameter without a gradient
@@ -136,8 +138,7 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
         if group.size() != topology.world_size:
             raise ValueError(f"qgZ reduce-scatter runs on the world ({topology.world_size} ranks), "
                              f"got a group of {group.size()}")
-        if op not in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
-            raise ValueError(f"qgZ reduce-scatter supports ReduceOp.AVG and SUM, got {op}")
+        reduction = reduction_of(op)
         num_nodes, ranks_per_node = topology.num_nodes, topology.ranks_per_node
         chunk_numel = output_tensor.numel()
         chunks = input_tensor.view(num_nodes, ranks_per_node, chunk_numel)
@@ -146,23 +147,24 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
         else:
             partial = chunks[:, 0].float()
         if num_nodes == 1:
-            self.complete(functools.partial(self._write, partial[0], output_tensor, op), False)
+            self.complete(functools.partial(self._write, partial[0], output_tensor, reduction), False)
             return None
         # hop 2 crosses nodes: with ``overlap`` it may finish later ([Note: late reduce-scatter])
         late = self.finishes_late(output_tensor, op)
         exchange = self._send(partial, self.codec(chunk_numel, self.bits_inter), 2, self.groups.inter_node_group,
                               async_op=late)
-        self.complete(functools.partial(self._finish_inter_node_hop, exchange, output_tensor, op), late)
+        self.complete(functools.partial(self._finish_inter_node_hop, exchange, output_tensor, reduction), late)
         return None
 
-    def _finish_inter_node_hop(self, exchange: _Exchange, output_tensor: torch.Tensor, op: dist.ReduceOp) -> None:
+    def _finish_inter_node_hop(self, exchange: _Exchange, output_tensor: torch.Tensor,
+                               reduction: Reduction) -> None:
         """Hop 2's end: sum the N partials received into this rank's chunk."""
-        self._write(self._received(exchange).sum(dim=0), output_tensor, op)
+        self._write(self._received(exchange).sum(dim=0), output_tensor, reduction)
 
-    def _write(self, total: torch.Tensor, output_tensor: torch.Tensor, op: dist.ReduceOp) -> None:
-        if op == dist.ReduceOp.AVG:
-            total = total.div_(self.topology.world_size)
-        output_tensor.copy_(total)
+    def _write(self, total: torch.Tensor, output_tensor: torch.Tensor, reduction: Reduction) -> None:
+        """The fp32 ``total`` reduced as asked (AVG divides by the world size, PREMUL_SUM
+        multiplies by its factor), in the output's dtype."""
+        output_tensor.copy_(reduction.apply(total, self.topology.world_size))
 
     def _with_residual(self, hop: int, x: torch.Tensor) -> torch.Tensor:
         residual = self._residuals.get(hop)
