@@ -65,9 +65,26 @@ def prepare_model(model: nn.Module, config: ZeroPPConfig | None = None, *, topol
     if isinstance(model, FSDPModule):
         enable(model, config, topology=topology)
     else:
-        shard(model, config, topology=topology, units=units)
+        shard(sharding_root(model), config, topology=topology, units=units)
     mark_prepared_for_accelerate(model)
     return model
+
+
+def sharding_root(model: nn.Module) -> nn.Module:
+    """[Note: a PEFT model's sharding root]
+    FSDP2 gathers the root unit's parameters (a causal LM's embedding, final norm and head) in the
+    root's forward hooks. A PEFT model's ``generate`` runs its base model's ``generate``, which
+    calls the base model, not the PEFT wrapper: with the wrapper as root those parameters would
+    stay sharded there ("mixed torch.Tensor and DTensor"). So when the base model holds every
+    parameter of the PEFT model (LoRA and the other adapters injected into its layers), the base
+    model is the root: the wrapper's forward and ``generate`` both run through its hooks. A model
+    with parameters of its own outside (prompt learning) is sharded as a whole."""
+    get_base_model = getattr(model, "get_base_model", None)
+    if not callable(get_base_model):
+        return model
+    base = get_base_model()
+    inside = {id(p) for p in base.parameters()}
+    return base if all(id(p) in inside for p in model.parameters()) else model
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from accelerate.utils import is_peft_model
 from torch import nn
 
 from zeropp.hf import ZeroPPRequest, ZeroPPSource, ZeroPPTrainer
@@ -44,8 +45,7 @@ def check_grpo_arguments(args: Any, model: nn.Module | str, peft_config: Any) ->
             "use_transformers_continuous_batching=True is not supported by ZeroPPGRPOTrainer: transformers' "
             "generate_batch does not keep the ranks in step (no synced_gpus), so a rank that has finished stops "
             "taking part in the weight gathers the others wait on. Set it to False (model.generate keeps them in step)")
-    is_peft = peft_config is not None or hasattr(model, "peft_config")
-    if args.beta != 0.0 and not is_peft:
+    if args.beta != 0.0 and peft_config is None and not is_peft_model(model):
         raise ValueError(
             f"beta={args.beta} is not supported by ZeroPPGRPOTrainer for a full model: the KL term needs a reference "
             "model, which GRPOTrainer loads again from the policy's name and keeps whole on every rank, outside "
