@@ -33,8 +33,9 @@ Checker = Callable[[str, Any], Any]
 def _reject(key: str, value: object, allowed: str) -> NoReturn:
     hint = ""
     if isinstance(value, str) and value == "auto":
-        hint = ("; 'auto' is a Hugging Face Trainer placeholder that must be resolved to a "
-                "concrete value before the config reaches zeropp")
+        hint = ("; 'auto' is a Hugging Face Trainer placeholder: zeropp.hf.ZeroPPTrainer fills it in the keys "
+                "Trainer owns (batch sizes, clipping, optimizer and scheduler parameters, bf16/fp16); "
+                "elsewhere give a concrete value")
     raise ValueError(f"{key}={reprlib.repr(value)} is not allowed; expected {allowed}{hint}")
 
 
@@ -531,8 +532,9 @@ def _read_typed_section(
     return _TYPED_SECTIONS[key](type=section["type"], params=section.get("params", {}))
 
 
-def _load(config: dict[str, Any] | str | os.PathLike[str]) -> dict[Any, Any]:
-    """The config as a dict: given directly, or read from a JSON file."""
+def load_deepspeed(config: dict[str, Any] | str | os.PathLike[str]) -> dict[Any, Any]:
+    """A DeepSpeed config as a dict: given directly, or read from a JSON file (nothing checked
+    beyond its being a JSON object)."""
     if isinstance(config, dict):
         return config
     if not isinstance(config, (str, os.PathLike)):
@@ -566,7 +568,7 @@ def parse_deepspeed(config: dict[str, Any] | str | os.PathLike[str]) -> DeepSpee
     a ZeRO stage other than 3, an unresolved "auto", bf16 and fp16 both enabled. Keys zeropp does
     not act on are listed in ``ignored_keys`` and named in one warning per process.
     """
-    raw = _load(config)
+    raw = load_deepspeed(config)
     draft = _Draft()
     _read_section(draft, raw, "")
     if "stage" not in raw.get("zero_optimization", {}):
