@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import zeropp
-from distributed import run_distributed
+from distributed import run_distributed, run_fake_rank
 from models import global_batch, make_model, reference_copy, rows
 from zeropp.modes import MODES
 from zeropp.quant import dequantize_packed, quantize_packed
@@ -329,3 +329,26 @@ def test_engine_clips_with_scalars_counted_once() -> None:
     result = run_distributed(_engine_scalar_worker, 4, env=TWO_BY_TWO)[0]
     assert result["temperature_share"] >= 0.01, result  # counted 4 times, it would move the norm visibly
     assert abs(result["norm"] - result["expected"]) <= 1e-5 * result["expected"], result
+
+
+def _grouped_worker(rank: int, world_size: int) -> dict:
+    from zeropp.qwz import QuantizedAllGather
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4))
+    fully_shard(model[0])
+    fully_shard([model[1], model[2]])  # one unit of two modules, as torchtitan shards [norm, output]
+    fully_shard(model)
+    zeropp.enable(model, zeropp.ZeroPPConfig(quantized_weights=True, unquantized_parameters=("2.*",)))
+    installed = zeropp.sharded_comms(model)
+    grouped = installed.all_gathers[[i for i, u in enumerate(installed.units) if u is model[1]][0]]
+    return {"units": len(installed.units), "grouped_quantized": grouped.quantized,
+            "grouped_is_qwz": isinstance(grouped, QuantizedAllGather)}
+
+
+def test_a_unit_grouping_several_modules_gets_one_set_of_comms_and_full_names() -> None:
+    """fully_shard([norm, head]) makes one unit of two modules: zeropp installs its comms once
+    (three units, not four) and matches unquantized_parameters against the parameters' names in
+    the model ("2.*" keeps the head's weight and bias whole, the norm's are quantized)."""
+    result = run_fake_rank(_grouped_worker, 4, 1)
+    assert result["units"] == 3
+    assert result["grouped_is_qwz"] and result["grouped_quantized"] == [True, True, False, False]

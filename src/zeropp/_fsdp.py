@@ -243,8 +243,13 @@ def set_unshard_async(root: FSDPModule, enabled: bool) -> None:
 
 
 def fsdp_units(model: nn.Module) -> Iterator[FSDPModule]:
-    """Every module of ``model`` that ``fully_shard`` made a unit, in ``modules()`` order."""
-    return (m for m in model.modules() if isinstance(m, FSDPModule))
+    """Every unit of ``model`` in ``modules()`` order: each module ``fully_shard`` made one, once
+    per unit (``fully_shard([norm, head])`` groups two modules into one unit, named by the first)."""
+    seen = set()
+    for module in model.modules():
+        if isinstance(module, FSDPModule) and id(state := module._get_fsdp_state()) not in seen:
+            seen.add(id(state))
+            yield module
 
 
 def in_backward() -> bool:

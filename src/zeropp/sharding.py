@@ -8,6 +8,7 @@ installed, for the engine (qgZ's error feedback) and for inspection.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import functools
 import weakref
@@ -27,6 +28,7 @@ from zeropp._fsdp import (
     set_process_group_timeouts,
     set_unshard_async,
     unit_layout,
+    unit_parameters,
 )
 from zeropp.agreement import agree, config_view, parameters_view, units_view
 from zeropp.comms import CountingAllGather, CountingReduceScatter, Recorder, collective_timeout_s
@@ -128,9 +130,9 @@ def _enable(model: FSDPModule, config: ZeroPPConfig, groups: ProcessGroups) -> n
             if not unit_layout(unit).kept_whole_after_forward:
                 set_post_forward_mesh(unit, groups.hpz_mesh)
     installed = ShardedComms()
+    param_names = {id(p): name for name, p in model.named_parameters()}
     for unit in units:
-        prefix = f"{names[id(unit)]}." if names[id(unit)] else ""
-        all_gather, reduce_scatter = _install_comms(unit, groups, config, prefix)
+        all_gather, reduce_scatter = _install_comms(unit, groups, config, param_names)
         presence = GradientPresence(unit, Recorder(groups.topology))
         for recorder in (all_gather.recorder, reduce_scatter.recorder, presence.recorder):
             recorder.unit = names[id(unit)] or "the root"
@@ -253,13 +255,14 @@ def sharded_comms(model: nn.Module) -> ShardedComms:
     return _SHARDED.get(model, ShardedComms())
 
 
-def _install_comms(module: FSDPModule, groups: ProcessGroups, config: ZeroPPConfig, prefix: str
+def _install_comms(module: FSDPModule, groups: ProcessGroups, config: ZeroPPConfig, param_names: dict[int, str]
                    ) -> tuple[AllGather, ReduceScatter]:
-    """The all-gather and reduce-scatter comms ``config`` asks for, for one unit (named ``prefix``
-    in the model)."""
+    """The all-gather and reduce-scatter comms ``config`` asks for, for one unit; ``param_names``
+    gives each parameter's name in the model (a unit may group several modules)."""
     layout = unit_layout(module)
-    quantized = quantized_parameters(layout, config.quantized_weights, config.quantized_nontrainable_weights,
-                                     config.unquantized_parameters, prefix)
+    named = dataclasses.replace(layout, names=[param_names.get(id(p), "?") for p in unit_parameters(module)])
+    quantized = quantized_parameters(named, config.quantized_weights, config.quantized_nontrainable_weights,
+                                     config.unquantized_parameters)
     if any(quantized):
         all_gather = QuantizedAllGather(
             groups.topology, layout.padded_numels, quantized, bits=config.weight_bits,
