@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from zeropp.cluster.launch import launch_local
-from zeropp.data import CharCorpus
+from zeropp.data import CORPORA, CharCorpus
 from zeropp.demo import DemoConfig, build_optimizer
 from zeropp.jobs import config_flags
 from zeropp.models import GPT, GPTConfig
@@ -324,12 +324,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=lambda text: [int(k) for k in text.split(",")], default=None,
                         help="comma-separated: one run per seed under <out>/seed_<k>, then the mean and standard "
                              "deviation of each mode's delta (<out>/converge_seeds.json); replaces --seed")
-    parser.add_argument("--corpus", default="shakespeare", choices=["shakespeare", "kjv"],
-                        help="training text (kjv: the King James Bible, which nothing here was tuned on)")
+    parser.add_argument("--corpus", default="shakespeare", choices=list(CORPORA),
+                        help="training text (kjv: the King James Bible, mormon: the Book of Mormon; nothing here "
+                             "was tuned on either)")
+    parser.add_argument("--model", type=_model_shape, default=None, metavar="LAYERSxWIDTH",
+                        help="the GPT's layers x width (heads: width / 32), e.g. 6x192; default the demo's 4x128")
     parser.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"],
                         help="sgd: momentum 0.9 (give --lr; the default 1e-3 suits AdamW)")
     parser.add_argument("--lr", type=float, default=TRAINING["lr"])
     parser.set_defaults(func=run_from_args)
+
+
+def _model_shape(text: str) -> dict[str, int]:
+    """``6x192`` -> the demo's shape fields (one head per 32 of width, at least one)."""
+    layers, _, width = text.partition("x")
+    if not (layers.isdigit() and width.isdigit()) or int(layers) < 1 or int(width) < 1:
+        raise argparse.ArgumentTypeError(f"--model {text!r} must be LAYERSxWIDTH with positive integers, e.g. 6x192")
+    return {"num_layers": int(layers), "embed_dim": int(width), "num_heads": max(1, int(width) // 32)}
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -337,7 +348,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     options = dict(steps=args.steps, modes=parse_modes(args.modes, zeropp_modes()), eval_every=args.eval_every,
                    eval_batches=args.eval_batches, num_nodes=args.nodes, ranks_per_node=args.ranks_per_node,
                    reference=not args.no_reference, runs_dir=args.runs, corpus=args.corpus,
-                   optimizer=args.optimizer, lr=args.lr)
+                   optimizer=args.optimizer, lr=args.lr, **(args.model or {}))
     if args.seeds is not None:
         run_seeds(args.out, args.seeds, **options)
     else:

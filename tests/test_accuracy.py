@@ -1,0 +1,87 @@
+"""``zeropp accuracy``: the perturbation controls and the paired verdict, checked without training."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zeropp.bench import accuracy
+from zeropp.demo import perturb_initial_weights
+from zeropp.models import GPT, GPTConfig
+from zeropp.modes import MODES, QWZ_RELATIVE_ERROR
+from zeropp.qgz import full_precision_gradients
+from zeropp.quant import dequantize, quantize
+
+
+def _gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=65))
+
+
+def test_init_control_matches_qwz_relative_error() -> None:
+    """``zero3_init`` perturbs each weight matrix by about as much, relatively, as qwZ's INT8
+    round trip does (the constant's derivation), the same on every rank (a function of the
+    seed), and leaves LayerNorms and biases, which qwZ codes exactly at init, alone."""
+    assert MODES["zero3_init"].initial_weight_noise == QWZ_RELATIVE_ERROR
+    model, again, before = _gpt(), _gpt(), _gpt()
+    perturb_initial_weights(model, QWZ_RELATIVE_ERROR, seed=3)
+    perturb_initial_weights(again, QWZ_RELATIVE_ERROR, seed=3)
+    for (name, p), q, original in zip(model.named_parameters(), again.parameters(), before.parameters()):
+        assert torch.equal(p, q), name
+        if p.dim() < 2:
+            assert torch.equal(p, original), name
+            continue
+        relative = ((p - original).norm() / original.norm()).item()
+        flat = original.detach().flatten()
+        data, scales = quantize(flat, 8, 256)
+        qwz = ((dequantize(data, scales, 8, 256, flat.numel(), torch.float32) - flat).norm() / flat.norm()).item()
+        assert relative == pytest.approx(QWZ_RELATIVE_ERROR, rel=0.1), name
+        assert qwz == pytest.approx(QWZ_RELATIVE_ERROR, rel=0.1), name
+
+
+def test_order_control_spares_every_gradient() -> None:
+    """``zero3_order`` is qgZ with nothing quantized: only the summation order differs from ZeRO-3."""
+    config = MODES["zero3_order"].config(ranks_per_node=2)
+    assert config.quantized_gradients and config.grad_full_precision_parameters == ("*",)
+    assert not config.quantized_weights and config.hpz_partition_size == 1
+
+
+def test_full_precision_gradients_by_pattern_and_size() -> None:
+    names = ["ln_1.weight", "attn.qkv.weight", "attn.qkv.bias", "mlp.fc.weight"]
+    shapes = [torch.Size([128]), torch.Size([384, 128]), torch.Size([384]), torch.Size([512, 128])]
+    assert full_precision_gradients(names, shapes, (), 1024) == [True, False, True, False]
+    assert full_precision_gradients(names, shapes, ("blocks.0.*.qkv.*",), 0, prefix="blocks.0.") == [
+        False, True, True, False]
+    assert full_precision_gradients(names, shapes, (), 0) == [False] * 4
+
+
+def _results(losses: dict[str, float]) -> dict:
+    return {"settings": {"steps": 10, "seed": 0}, "modes": {name: {"final_val_loss": loss}
+                                                            for name, loss in losses.items()}}
+
+
+def test_verdict_pairs_each_seed_with_its_control() -> None:
+    """Deltas in percent of the same seed's ZeRO-3; the verdict on mode minus control per seed,
+    with Student's t interval (4 degrees of freedom for 5 seeds)."""
+    per_seed = {seed: _results({"zero3": 2.0, "zero3_init": 2.0 * (1 + c / 100), "all": 2.0 * (1 + d / 100)})
+                for seed, (c, d) in enumerate([(0.1, 1.1), (-0.2, 0.8), (0.0, 1.0), (0.3, 1.3), (-0.2, 0.8)])}
+    cell = accuracy.cell_verdict(per_seed)
+    entry = cell["modes"]["all"]
+    assert entry["deltas_percent"][3] == pytest.approx(1.3)
+    assert entry["vs_control"]["differences_percent"] == pytest.approx([1.0] * 5)
+    assert entry["vs_control"]["interval_percent"] == pytest.approx([1.0, 1.0])
+    assert entry["vs_control"]["text"].startswith("costs 1.00% ± 0.00")
+    noisy = accuracy.verdict([0.5, -0.3, 0.2, -0.4, 0.1])
+    half = 2.776 * noisy["standard_error_percent"]  # t(0.975, 4 degrees of freedom)
+    assert noisy["interval_percent"] == pytest.approx([0.02 - half, 0.02 + half])
+    assert noisy["text"].startswith("indistinguishable from noise")
+    assert accuracy.verdict([-1.0, -1.2, -0.8])["text"].startswith("better than the control by 1.00%")
+    assert accuracy.verdict([0.4])["text"] == "too few seeds"
+
+
+def test_pooled_verdict_takes_every_cell_and_seed() -> None:
+    cells = {name: accuracy.cell_verdict({seed: _results({"zero3": 2.0, "zero3_init": 2.0, "all": 2.0 * (1 + d)})
+                                          for seed, d in enumerate(values)})
+             for name, values in {"a": [0.01, 0.02], "b": [0.0, 0.01, 0.02]}.items()}
+    pooled = accuracy.pooled_verdict(cells)["all"]
+    assert pooled["n"] == 5 and pooled["mean_percent"] == pytest.approx(1.2)
