@@ -85,3 +85,27 @@ def test_pooled_verdict_takes_every_cell_and_seed() -> None:
              for name, values in {"a": [0.01, 0.02], "b": [0.0, 0.01, 0.02]}.items()}
     pooled = accuracy.pooled_verdict(cells)["all"]
     assert pooled["n"] == 5 and pooled["mean_percent"] == pytest.approx(1.2)
+
+
+def test_update_metrics_see_what_a_code_does_to_zero_entries() -> None:
+    """On a stream whose every rank's gradient is zero at the same entries (scattered through
+    blocks of nonzero ones), the plain code keeps them zero (round to nearest has a zero level),
+    normal levels (no zero level) do not, and Adam turns what they put there into real steps;
+    a spared parameter is exact, so only the quantized one's error remains."""
+    from zeropp.bench import qgz_updates
+    from zeropp.bench.qgz_error import OPTIONS
+
+    world_size, numels = 4, [512, 4096]
+    generator = torch.Generator().manual_seed(0)
+    stream = []
+    for _ in range(3):
+        gradients = torch.randn(world_size, world_size, sum(numels) // world_size, generator=generator)
+        gradients[..., 200:] *= (torch.arange(gradients.shape[-1] - 200) % 3 != 0)  # every third entry zero
+        stream.append(gradients)
+    plain = qgz_updates.measure(stream, numels, 2, qgz_updates.Case((4, 4), OPTIONS["plain"]))
+    normal = qgz_updates.measure(stream, numels, 2, qgz_updates.Case((8, 4), OPTIONS["normal+scale8"]))
+    spared = qgz_updates.measure(stream, numels, 2, qgz_updates.Case((4, 4), OPTIONS["plain"], spare_below=1024))
+    assert plain["zero_entries"] == normal["zero_entries"] > 1000
+    assert plain["zero_error"] == 0 and plain["zero_update"] == 0
+    assert normal["zero_error"] > 0.01 and normal["zero_update"] > 0.1
+    assert 0 < spared["relative_rms"] < plain["relative_rms"]
