@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zeropp.bench import accuracy
+from zeropp.bench import accuracy, paired
 from zeropp.demo import perturb_initial_weights
 from zeropp.models import GPT, GPTConfig
 from zeropp.modes import MODES, QWZ_RELATIVE_ERROR
@@ -71,12 +71,12 @@ def test_verdict_pairs_each_seed_with_its_control() -> None:
     assert entry["vs_control"]["differences_percent"] == pytest.approx([1.0] * 5)
     assert entry["vs_control"]["interval_percent"] == pytest.approx([1.0, 1.0])
     assert entry["vs_control"]["text"].startswith("costs 1.00% ± 0.00")
-    noisy = accuracy.verdict([0.5, -0.3, 0.2, -0.4, 0.1])
+    noisy = paired.verdict([0.5, -0.3, 0.2, -0.4, 0.1])
     half = 2.776 * noisy["standard_error_percent"]  # t(0.975, 4 degrees of freedom)
     assert noisy["interval_percent"] == pytest.approx([0.02 - half, 0.02 + half])
     assert noisy["text"].startswith("indistinguishable from noise")
-    assert accuracy.verdict([-1.0, -1.2, -0.8])["text"].startswith("better than the control by 1.00%")
-    assert accuracy.verdict([0.4])["text"] == "too few seeds"
+    assert paired.verdict([-1.0, -1.2, -0.8])["text"].startswith("better than the control by 1.00%")
+    assert paired.verdict([0.4])["text"] == "too few seeds"
 
 
 def test_pooled_verdict_takes_every_cell_and_seed() -> None:

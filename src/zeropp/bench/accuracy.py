@@ -8,7 +8,7 @@ is missing). Runs go in passes, the most telling first (the default ``all`` and 
 every corpus, then the single techniques, ...), seeds in the outer loop, so that a grid cut off
 midway leaves every cell with about as many seeds as the others.
 
-The verdict ([Note: paired verdict]) is written after every run to ``<out>/accuracy.json``,
+The verdict (zeropp.bench.paired [Note: paired verdict]) is written after every run to ``<out>/accuracy.json``,
 ``accuracy.png`` and ``accuracy.md``.
 """
 
@@ -16,19 +16,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from zeropp.bench import converge
+from zeropp.bench.paired import CONTROL, mean, std, summary, verdict
 from zeropp.modes import BASELINE
 
-CONTROL, ORDER_CONTROL = "zero3_init", "zero3_order"
-"""The controls ([Note: perturbation controls] in zeropp.modes): the verdict pairs every mode with
-``CONTROL``, whose perturbation is of qwZ's size; ``ORDER_CONTROL`` shows the drift of the
-smallest perturbation there is."""
+ORDER_CONTROL = "zero3_order"
+"""The second control ([Note: perturbation controls] in zeropp.modes): the drift of the smallest
+perturbation there is; every mode is paired with ``CONTROL``, whose perturbation is of qwZ's size."""
 CORPORA = ("shakespeare", "kjv", "mormon")
 SEEDS = (0, 1, 2, 3, 4)
 STEPS = 300
@@ -36,8 +35,8 @@ STEPS = 300
 2 shared cores (1000 steps, as ``zeropp converge`` takes by default, would take 10)."""
 
 ATTEMPTS = 3
-"""Tries per cell and seed: a job that dies (a gloo process aborting at exit has been seen once in
-hundreds of runs) is run again rather than ending the grid."""
+"""Tries per cell and seed: a job that dies (a gloo rank aborting at exit, after its last step,
+was seen once in the grid's trial runs) is run again rather than ending the grid."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,7 +116,7 @@ def paired_deltas(per_seed: dict[int, dict[str, Any]], name: str) -> dict[int, f
 
 def cell_verdict(per_seed: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """One cell: its settings, ZeRO-3's spread over seeds, and per mode its paired deltas, the
-    control's, and the verdict on their difference ([Note: paired verdict])."""
+    control's, and the verdict on their difference (zeropp.bench.paired [Note: paired verdict])."""
     first = per_seed[min(per_seed)]
     names = list(dict.fromkeys(name for results in per_seed.values() for name in results["modes"]))
     control = paired_deltas(per_seed, CONTROL)
@@ -133,7 +132,7 @@ def cell_verdict(per_seed: dict[int, dict[str, Any]]) -> dict[str, Any]:
                        "vs_control": verdict([deltas[k] - control[k] for k in deltas if k in control])}
     settings = {key: value for key, value in first["settings"].items() if key != "seed"}
     return {"settings": settings, "seeds": sorted(per_seed), "zero3_final_val_losses": baseline,
-            "zero3_seed_spread_percent": 100 * _std(baseline) / _mean(baseline) if len(baseline) > 1 else None,
+            "zero3_seed_spread_percent": 100 * std(baseline) / mean(baseline) if len(baseline) > 1 else None,
             "modes": modes}
 
 
@@ -145,60 +144,6 @@ def pooled_verdict(cells: dict[str, dict[str, Any]]) -> dict[str, Any]:
             control = entry["control_deltas_percent"]
             differences.setdefault(name, []).extend(entry["deltas_percent"][k] - control[k] for k in control)
     return {name: verdict(values) for name, values in differences.items()}
-
-
-def summary(values: Sequence[float]) -> dict[str, Any]:
-    """Mean and standard error of paired deltas (None where there are too few)."""
-    n = len(values)
-    return {"n": n, "mean_percent": _mean(values) if n else None,
-            "standard_error_percent": _std(values) / math.sqrt(n) if n > 1 else None}
-
-
-def verdict(differences: Sequence[float]) -> dict[str, Any]:
-    """[Note: paired verdict]
-    Per seed, a mode's delta against ZeRO-3 is its cost plus the drift of a perturbed run; the
-    control's delta on the same seed is drift alone, of the same size by construction. Their
-    difference per seed estimates the cost; over seeds, its mean with a 95% Student-t interval
-    (n - 1 degrees of freedom) says whether the cost is distinguishable from drift at this size:
-    an interval that holds 0 is "indistinguishable from noise", one above 0 "costs X% ± Y", one
-    below 0 does better than the control. The interval also bounds the cost: an upper end of
-    0.3 means the cost is at most 0.3% at 95% confidence, whatever the mean."""
-    n = len(differences)
-    if n < 2:
-        return {"n": n, "differences_percent": list(differences), "mean_percent": _mean(differences) if n else None,
-                "interval_percent": None, "text": "too few seeds"}
-    mean, half = _mean(differences), _t975(n - 1) * _std(differences) / math.sqrt(n)
-    low, high = mean - half, mean + half
-    if low <= 0 <= high:
-        text = f"indistinguishable from noise ({mean:+.2f}%, 95% interval [{low:+.2f}, {high:+.2f}])"
-    elif low > 0:
-        text = f"costs {mean:.2f}% ± {half:.2f}"
-    else:
-        text = f"better than the control by {-mean:.2f}% ± {half:.2f}"
-    return {"n": n, "differences_percent": list(differences), "mean_percent": mean,
-            "standard_error_percent": _std(differences) / math.sqrt(n), "interval_percent": [low, high],
-            "wins_over_control": sum(d < 0 for d in differences), "text": text}
-
-
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
-         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045)
-"""Student's t 97.5% quantiles for 1 to 29 degrees of freedom (from 30 on, 2.04 down to 1.96)."""
-
-
-def _t975(dof: int) -> float:
-    return _T975[dof - 1] if dof <= len(_T975) else 1.96 + 2.4 / dof
-
-
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values)
-
-
-def _std(values: Sequence[float]) -> float:
-    """Sample standard deviation (0 for one value)."""
-    if len(values) < 2:
-        return 0.0
-    mean = _mean(values)
-    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
 def table(result: dict[str, Any]) -> str:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from zeropp.bench.paired import CONTROL, mean, std, verdict
 from zeropp.cluster.launch import launch_local
 from zeropp.data import CORPORA, CharCorpus
 from zeropp.demo import DemoConfig, build_optimizer
@@ -105,42 +106,38 @@ def run_seeds(out_dir: str | Path, seeds: Sequence[int], *, runs_dir: str | Path
 
 def seed_statistics(per_seed: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """Per mode run on every seed: each seed's delta against that seed's ZeRO-3 (same data, same
-    initial weights), their mean and sample standard deviation. The noise floor: how much ZeRO-3's
-    own final loss moves from seed to seed (standard deviation, in percent of its mean)."""
+    initial weights), their mean and sample standard deviation, and where the control ``zero3_init``
+    ran, the verdict on each mode's delta minus the control's (zeropp.bench.paired). The noise
+    floor: how much ZeRO-3's own final loss moves from seed to seed (standard deviation, in
+    percent of its mean)."""
     seeds = sorted(per_seed)
     names = [name for name in per_seed[seeds[0]]["modes"] if all(name in per_seed[k]["modes"] for k in seeds)]
     modes = {}
     for name in names:
         deltas = [per_seed[k]["modes"][name]["val_delta_vs_zero3_percent"] for k in seeds]
         losses = [per_seed[k]["modes"][name]["final_val_loss"] for k in seeds]
-        modes[name] = {"deltas_percent": deltas, "mean_percent": _mean(deltas), "std_percent": _std(deltas),
+        modes[name] = {"deltas_percent": deltas, "mean_percent": mean(deltas), "std_percent": std(deltas),
                        "final_val_losses": losses, "zeropp_config": per_seed[seeds[0]]["modes"][name]["zeropp_config"]}
+        if CONTROL in names and name != CONTROL:
+            control = [per_seed[k]["modes"][CONTROL]["val_delta_vs_zero3_percent"] for k in seeds]
+            modes[name]["vs_control"] = verdict([d - c for d, c in zip(deltas, control)])
     baseline = [per_seed[k]["modes"][BASELINE]["final_val_loss"] for k in seeds if BASELINE in per_seed[k]["modes"]]
-    floor = 100 * _std(baseline) / _mean(baseline) if len(baseline) > 1 else None
+    floor = 100 * std(baseline) / mean(baseline) if len(baseline) > 1 else None
     settings = {key: value for key, value in per_seed[seeds[0]]["settings"].items() if key != "seed"}
     return {"settings": settings, "seeds": seeds, "zero3_seed_spread_percent": floor, "modes": modes}
 
 
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values)
-
-
-def _std(values: Sequence[float]) -> float:
-    """Sample standard deviation (0 for one value)."""
-    if len(values) < 2:
-        return 0.0
-    mean = _mean(values)
-    return (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
-
-
 def seeds_table(summary: dict[str, Any]) -> str:
     """Markdown: per mode the mean and standard deviation of its delta against ZeRO-3, and each seed's."""
+    paired = CONTROL in summary["modes"]
     lines = [f"seeds {summary['seeds']}; ZeRO-3's final loss moves {summary['zero3_seed_spread_percent'] or 0:.2f}% "
              "(standard deviation) from seed to seed", "",
-             "| mode | Δ vs ZeRO-3, mean ± std | per seed |", "|---|---:|---|"]
+             "| mode | Δ vs ZeRO-3, mean ± std | per seed |" + (f" minus {CONTROL}'s Δ |" if paired else ""),
+             "|---|---:|---|" + ("---|" if paired else "")]
     for name, entry in summary["modes"].items():
         per_seed = ", ".join(f"{d:+.2f}%" for d in entry["deltas_percent"])
-        lines.append(f"| {name} | {entry['mean_percent']:+.2f}% ± {entry['std_percent']:.2f} | {per_seed} |")
+        against = f" {entry['vs_control']['text'] if 'vs_control' in entry else '—'} |" if paired else ""
+        lines.append(f"| {name} | {entry['mean_percent']:+.2f}% ± {entry['std_percent']:.2f} | {per_seed} |{against}")
     return "\n".join(lines)
 
 
