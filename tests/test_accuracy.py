@@ -84,7 +84,8 @@ def test_pooled_verdict_takes_every_cell_and_seed() -> None:
                                           for seed, d in enumerate(values)})
              for name, values in {"a": [0.01, 0.02], "b": [0.0, 0.01, 0.02]}.items()}
     pooled = accuracy.pooled_verdict(cells)["all"]
-    assert pooled["n"] == 5 and pooled["mean_percent"] == pytest.approx(1.2)
+    assert pooled["vs_control"]["n"] == 5 and pooled["vs_control"]["mean_percent"] == pytest.approx(1.2)
+    assert pooled["delta_alone"]["differences_percent"] == pytest.approx([1.0, 2.0, 0.0, 1.0, 2.0])
 
 
 def test_update_metrics_see_what_a_code_does_to_zero_entries() -> None:
