@@ -51,9 +51,13 @@ class Setting:
 SETTINGS = {setting.name: setting for setting in (
     Setting(name="demo"),
     Setting(name="wide", training={"num_layers": 6, "embed_dim": 192, "num_heads": 6, "lr": 6e-4}),
+    Setting(name="narrow", training={"num_layers": 4, "embed_dim": 96, "num_heads": 3, "lr": 2e-3}),
 )}
+"""``narrow``'s rows of 96 share blocks of 64 with their neighbours, where the normal levels of
+``all_scale8`` put nonzero values on exact-zero entries (``zeropp bench qgz-error``'s updates)."""
 PASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("demo", (BASELINE, CONTROL, "all")),
+    ("narrow", (BASELINE, CONTROL, "all", "all_scale8")),
     ("demo", ("qwz", "qgz", ORDER_CONTROL)),
     ("demo", ("all_spare",)),
     ("wide", (BASELINE, CONTROL, "all", "all_spare")),
