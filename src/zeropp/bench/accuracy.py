@@ -96,8 +96,8 @@ def report(out_dir: str | Path) -> dict[str, Any]:
     out_dir = Path(out_dir)
     cells = {}
     for cell_dir in sorted(p for p in out_dir.iterdir() if p.is_dir()):
-        per_seed = {int(p.name.removeprefix("seed_")): json.loads((p / "converge.json").read_text())
-                    for p in cell_dir.glob("seed_*") if (p / "converge.json").exists()}
+        per_seed = dict(sorted((int(p.name.removeprefix("seed_")), json.loads((p / "converge.json").read_text()))
+                               for p in cell_dir.glob("seed_*") if (p / "converge.json").exists()))
         if per_seed:
             cells[cell_dir.name] = cell_verdict(per_seed)
     result = {"control": CONTROL, "cells": cells, "pooled": pooled_verdict(cells)}
