@@ -26,8 +26,9 @@ A root that holds parameters is gathered first and stays whole to the end of bac
 does not reshard the root after forward), its gradients held from the first to its
 reduce-scatter. The peak is the largest moment, broken down as it stands then. Not modelled:
 error feedback's residuals, ``overlap``'s prefetching and late reduce-scatters, CPU offload,
-activation checkpointing's recompute beyond one block, and the allocator's own slack (FSDP2's
-tracker counts tensor storages, so it is not in the measurement either).
+and the allocator's own slack (FSDP2's tracker counts tensor storages, so it is not in the
+measurement either). With activation checkpointing a block saves its input only and recomputes
+its activations in its backward.
 
 [Note: qgZ's buffers]
 Hop 1 (inside the node, when a node has several ranks) takes the reduce-scatter input as W rows
@@ -103,6 +104,8 @@ class UnitBytes:
     """What the reduce-scatter comm allocates at its largest moment."""
     activations: float
     """Saved for backward by the unit's forward."""
+    recompute: float
+    """Recomputed in the unit's backward (activation checkpointing)."""
     loss: float
     """Temporaries of the loss beside the saved activations (the unit that computes it)."""
     largest_local: float
@@ -153,7 +156,8 @@ def _qgz_bytes(trainable: list[int], config: ZeroPPConfig, topology: Topology) -
 
 
 def unit_bytes(unit: UnitShape, model: ModelShape, config: ZeroPPConfig | None, topology: Topology,
-               precision: Precision, rank: int, tokens: tuple[int, int], last: bool) -> UnitBytes:
+               precision: Precision, rank: int, tokens: tuple[int, int], last: bool,
+               checkpointing: bool = False) -> UnitBytes:
     """``unit``'s costs on ``rank`` (``config`` None: FSDP2's HSDP, sharded inside the node);
     ``tokens``: (batch, context); ``last``: it computes the loss."""
     shard_size = topology.ranks_per_node if config is None else topology.world_size
@@ -168,6 +172,9 @@ def unit_bytes(unit: UnitShape, model: ModelShape, config: ZeroPPConfig | None, 
     backward_quantize = quantize if hpz <= 1 or config.quantize_intra_node_weights else [False] * len(quantize)
     batch, context = tokens
     activations = model.block_activation_bytes(batch, context, gather_dtype.itemsize) if unit.is_block else 0.0
+    recompute = activations if checkpointing else 0.0
+    if checkpointing and unit.is_block:
+        activations = batch * context * model.embed_dim * gather_dtype.itemsize
     if last:
         activations += model.head_activation_bytes(batch, context)
     return UnitBytes(
@@ -185,6 +192,7 @@ def unit_bytes(unit: UnitShape, model: ModelShape, config: ZeroPPConfig | None, 
         reducing=_qgz_bytes(trainable, config, topology) if config is not None and config.quantized_gradients
         and trainable else 0.0,
         activations=activations,
+        recompute=recompute,
         loss=6 * batch * context * model.vocab_size if last else 0.0,
         largest_local=max((n for n, t in zip(local, unit.trainable) if t), default=0) * PARAMETER_BYTES,
     )
@@ -245,21 +253,22 @@ def _backward(timeline: _Timeline, blocks: list[UnitBytes]) -> None:
             timeline.moment(f"backward prefetch {after.name}", gathered=unit.whole + after.gather_backward,
                             reduce_buffers=pending)
         timeline.moment(f"backward {unit.name}", gathered=unit.whole + prefetched, reduce_buffers=pending,
-                        gradients=unit.whole_gradients, activations=unit.loss)
+                        gradients=unit.whole_gradients, activations=unit.loss + unit.recompute)
         held["activations"] -= unit.activations
         _reduce(timeline, unit, prefetched)
         pending = unit.reduce_input or pending
 
 
 def rank_memory(model: ModelShape, config: ZeroPPConfig | None, topology: Topology, precision: Precision,
-                batch: int, context_length: int, rank: int = 0) -> RankMemory:
+                batch: int, context_length: int, rank: int = 0, checkpointing: bool = False) -> RankMemory:
     """The peak of one training step on ``rank`` ([Note: a rank's memory through a step]): ``model``
     trained in a mode (``config``; None for FSDP2's HSDP) on ``batch`` sequences of
-    ``context_length`` tokens per rank, AdamW."""
+    ``context_length`` tokens per rank, AdamW; ``checkpointing``: activation checkpointing of
+    every block."""
     with_parameters = [u for u in model.units if u.shapes]
     last = with_parameters[-1] if with_parameters else None
-    units = [unit_bytes(u, model, config, topology, precision, rank, (batch, context_length), u is last)
-             for u in model.units]
+    units = [unit_bytes(u, model, config, topology, precision, rank, (batch, context_length), u is last,
+                        checkpointing) for u in model.units]
     *blocks, root = units
     blocks = [u for u in blocks if u.has_parameters]
     timeline = _Timeline(sum(u.shard for u in units), sum(u.optimizer for u in units))
@@ -283,3 +292,4 @@ def rank_memory(model: ModelShape, config: ZeroPPConfig | None, topology: Topolo
     timeline.moment("optimizer step", activations=2 * largest)
     assert timeline.peak is not None
     return timeline.peak
+
