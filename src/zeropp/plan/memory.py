@@ -19,7 +19,9 @@ walks the units:
   the unit's unsharded gradients (unpadded, gather dtype), then its reduce-scatter: the unit's
   weights freed, the previous unit's reduce-scatter input released (FSDP2 keeps the last one
   until the next reduce-scatter), the padded input in the reduce dtype filled from the gradients,
-  and what the comm allocates: nothing for FSDP2's own, for qgZ [Note: qgZ's buffers];
+  and what the comm allocates: nothing for FSDP2's own, for qgZ [Note: qgZ's buffers]. The
+  gradients are freed once copied, except a head's or final norm's in a unit of its own
+  (``UnitShape.is_single_layer``), which autograd holds until the reduce-scatter returns;
 - the optimizer step: every gradient beside AdamW's temporaries.
 
 A root that holds parameters is gathered first and stays whole to the end of backward (FSDP2
@@ -102,12 +104,18 @@ class UnitBytes:
     reduce_input: float
     reducing: float
     """What the reduce-scatter comm allocates at its largest moment."""
+    held_gradients: float
+    """Unsharded gradients autograd holds through the reduce-scatter (``UnitShape.is_single_layer``)."""
     activations: float
     """Saved for backward by the unit's forward."""
     recompute: float
     """Recomputed in the unit's backward (activation checkpointing)."""
     loss: float
-    """Temporaries of the loss beside the saved activations (the unit that computes it)."""
+    """Temporaries of the loss in forward beside the saved activations (the unit that computes
+    it): the 16-bit logits and their fp32 copy, 6 V bytes per token."""
+    loss_gradients: float
+    """The loss's gradients in backward, once the saved log-probabilities are used: 8 V bytes
+    per token (measured with FSDP2's tracker on a Llama head)."""
     largest_local: float
     """The largest unpadded parameter shard on this rank (AdamW's temporaries)."""
 
@@ -171,6 +179,7 @@ def unit_bytes(unit: UnitShape, model: ModelShape, config: ZeroPPConfig | None, 
     backward_group = hpz if hpz > 1 else shard_size
     backward_quantize = quantize if hpz <= 1 or config.quantize_intra_node_weights else [False] * len(quantize)
     batch, context = tokens
+    whole_gradients = sum(math.prod(s) for s, t in zip(unit.shapes, unit.trainable) if t) * gather_dtype.itemsize
     activations = model.block_activation_bytes(batch, context, gather_dtype.itemsize) if unit.is_block else 0.0
     recompute = activations if checkpointing else 0.0
     if checkpointing and unit.is_block:
@@ -183,7 +192,7 @@ def unit_bytes(unit: UnitShape, model: ModelShape, config: ZeroPPConfig | None, 
         optimizer=2 * sum(n for n, t in zip(local, unit.trainable) if t) * PARAMETER_BYTES,
         gradient=sum(trainable) / shard_size * reduce_size,
         whole=sum(padded) * gather_dtype.itemsize,
-        whole_gradients=sum(math.prod(s) for s, t in zip(unit.shapes, unit.trainable) if t) * gather_dtype.itemsize,
+        whole_gradients=whole_gradients,
         secondary=sum(padded) / hpz * gather_dtype.itemsize if hpz > 1 else 0.0,
         gather_forward=_gather_bytes(padded, quantize, shard_size, config, gather_dtype) if padded else 0.0,
         gather_backward=_gather_bytes(padded, backward_quantize, backward_group, config, gather_dtype)
@@ -191,9 +200,11 @@ def unit_bytes(unit: UnitShape, model: ModelShape, config: ZeroPPConfig | None, 
         reduce_input=sum(trainable) * reduce_size,
         reducing=_qgz_bytes(trainable, config, topology) if config is not None and config.quantized_gradients
         and trainable else 0.0,
+        held_gradients=whole_gradients if unit.is_single_layer else 0.0,
         activations=activations,
         recompute=recompute,
         loss=6 * batch * context * model.vocab_size if last else 0.0,
+        loss_gradients=8 * batch * context * model.vocab_size if last else 0.0,
         largest_local=max((n for n, t in zip(local, unit.trainable) if t), default=0) * PARAMETER_BYTES,
     )
 
@@ -231,7 +242,7 @@ def _reduce(timeline: _Timeline, unit: UnitBytes, prefetched: float) -> None:
         timeline.moment(f"reduce-scatter copy-in {unit.name}", gathered=prefetched, reduce_buffers=unit.reduce_input,
                         gradients=unit.whole_gradients)
         timeline.moment(f"reduce-scatter {unit.name}", gathered=prefetched,
-                        reduce_buffers=unit.reduce_input + unit.reducing, gradients=unit.gradient)
+                        reduce_buffers=unit.reduce_input + unit.reducing, gradients=unit.gradient + unit.held_gradients)
     timeline.held["gradients"] += unit.gradient
 
 
@@ -252,9 +263,12 @@ def _backward(timeline: _Timeline, blocks: list[UnitBytes]) -> None:
         if after is not None:
             timeline.moment(f"backward prefetch {after.name}", gathered=unit.whole + after.gather_backward,
                             reduce_buffers=pending)
+        if unit.loss_gradients:
+            held["activations"] -= unit.activations
         timeline.moment(f"backward {unit.name}", gathered=unit.whole + prefetched, reduce_buffers=pending,
-                        gradients=unit.whole_gradients, activations=unit.loss + unit.recompute)
-        held["activations"] -= unit.activations
+                        gradients=unit.whole_gradients, activations=unit.loss_gradients + unit.recompute)
+        if not unit.loss_gradients:
+            held["activations"] -= unit.activations
         _reduce(timeline, unit, prefetched)
         pending = unit.reduce_input or pending
 

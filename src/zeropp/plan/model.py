@@ -24,6 +24,11 @@ class UnitShape:
     is_block: bool = True
     """One of the model's repeated blocks (its activations are a block's); False for the other
     units: the root, and the embedding, final norm or head where they are units of their own."""
+    is_single_layer: bool = False
+    """One layer applied to an input that needs a gradient (a head, a final norm, each a unit of
+    its own): autograd's node for it yields its weight's gradient and its input's together, and
+    holds the weight's until FSDP2's post-backward (which the input's gradient triggers) has
+    returned, reduce-scatter included. An embedding's input (token ids) needs none."""
 
     @property
     def num_parameters(self) -> int:
@@ -107,8 +112,10 @@ def from_module(model: nn.Module, units: list[nn.Module] | None = None, *, name:
         params = [p for p in unit.parameters() if id(p) not in claimed and p.dim() > 0]
         claimed.update(id(p) for p in params)
         label = type(unit).__name__ if unit is not model else f"{type(model).__name__} (root)"
+        single = unit is not model and not isinstance(unit, nn.Embedding) and not any(
+            p.numel() for child in unit.children() for p in child.parameters())
         shapes.append(UnitShape(label, tuple(tuple(p.shape) for p in params), tuple(p.requires_grad for p in params),
-                                is_block=unit is not model and type(unit) in block_types))
+                                is_block=unit is not model and type(unit) in block_types, is_single_layer=single))
     blocks, root = shapes[:-1][::-1], shapes[-1]
     scalars = sum(1 for p in model.parameters() if p.dim() == 0 and p.requires_grad)
     return ModelShape(name=name, units=(*blocks, root), num_layers=num_layers, embed_dim=embed_dim,
