@@ -93,3 +93,43 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: flo
             if p.is_alive():
                 p.kill()
     return [outcome[r][1] for r in range(world_size)]
+
+
+def _fake_worker(rank: int, world_size: int, env: dict[str, str], fn: Callable, args: tuple,
+                 results: mp.Queue) -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+        results.put((True, fn(rank, world_size, *args)))
+    except BaseException:
+        results.put((False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_fake_rank(fn: Callable[..., Any], world_size: int, rank: int, *args: Any, timeout: float = 120.0,
+                  env: dict[str, str] | None = None) -> Any:
+    """Run ``fn(rank, world_size, *args)`` as rank ``rank`` of a ``world_size``-rank job on
+    PyTorch's fake process group, in one spawned process, and return its result. Collectives
+    return at once with placeholder data: for layouts, process groups and allocations, never for
+    numerics."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    process = ctx.Process(target=_fake_worker, args=(rank, world_size, env, fn, args, results), daemon=True)
+    process.start()
+    try:
+        ok, value = results.get(timeout=timeout)
+    except queue.Empty:
+        raise AssertionError(f"fake rank {rank} of {world_size} gave no result within {timeout} s") from None
+    finally:
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+    if not ok:
+        raise AssertionError(f"fake rank {rank} of {world_size} failed:\n{value}")
+    return value

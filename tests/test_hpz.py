@@ -10,7 +10,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
 import zeropp
-from distributed import run_distributed
+from distributed import run_distributed, run_fake_rank
 from models import VOCAB, global_batch, make_model, reference_copy, rows
 from zeropp._fsdp import unit_layout
 from zeropp.hpz import check_hpz, secondary_copy_bytes
@@ -31,6 +31,49 @@ def test_hpz_size_must_divide_ranks_per_node(hpz: int, layout: tuple[int, int], 
         with pytest.raises(ValueError, match=rf"hpz_partition_size={hpz} must divide the ranks per node "
                                              rf"\({layout[1]}.*allowed: \["):
             check_hpz(hpz, topology)
+
+
+def _groups_worker(rank: int, world_size: int, depth: int, hpz: int) -> dict:
+    """Process groups before and after sharding a ``depth``-block model with hpZ, 8 ranks a node."""
+    from torch.distributed import distributed_c10d as c10d
+
+    before = len(c10d._world.pg_map)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)) for _ in range(depth)))
+    zeropp.shard(model, zeropp.ZeroPPConfig(hpz_partition_size=hpz), topology=Topology.from_world(world_size, 8))
+    post_forward = {unit_layout(u).post_forward_group_size for u in model.modules() if isinstance(u, FSDPModule)}
+    return {"new_groups": len(c10d._world.pg_map) - before, "post_forward": post_forward}
+
+
+@pytest.mark.parametrize("hpz,groups_added", [(8, 2), (4, 4)])
+def test_hpz_makes_one_node_mesh_per_model_whatever_its_depth(hpz: int, groups_added: int) -> None:
+    """One rank of a 64-rank job (fake backend), 8 ranks a node: this rank's node and inter-node
+    groups (2; the world mesh is the world group), hpZ over the node reusing them, and hpZ over
+    half a node one 2-D mesh more (this rank's row and column: 2); never a mesh per unit, so 2
+    blocks and 12 add the same. Every unit reshards over hpZ's partition."""
+    shallow, deep = (run_fake_rank(_groups_worker, 64, 37, depth, hpz) for depth in (2, 12))
+    assert shallow["new_groups"] == deep["new_groups"] == groups_added
+    assert shallow["post_forward"] == deep["post_forward"] == {hpz}
+
+
+def _conflict_worker(rank: int, world_size: int) -> str:
+    from torch.distributed.fsdp import fully_shard
+
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    fully_shard(model[0], reshard_after_forward=2)
+    fully_shard(model)
+    try:
+        zeropp.enable(model, zeropp.ZeroPPConfig(hpz_partition_size=4), topology=Topology.from_world(world_size, 4))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_enable_refuses_a_unit_sharded_with_another_hpz_size() -> None:
+    """A unit the user sharded with reshard_after_forward=2 under hpz_partition_size=4: an error
+    naming both and the fixes, not a silent override."""
+    message = run_fake_rank(_conflict_worker, 8, 0)
+    assert "hpz_partition_size=4, but unit '0' (FSDPLinear) was sharded with reshard_after_forward=2" in message
+    assert "reshard_after_forward=True" in message
 
 
 class Checkpointed(nn.Module):

@@ -273,19 +273,14 @@ def _enable_worker(rank: int, world_size: int, hpz_reshard: bool | int) -> dict:
     return {"losses": losses, "num_qgz": len(installed.qgz), "hooks": installed.fresh_copy_hooks}
 
 
-def test_enable_adds_zeropp_to_a_model_sharded_with_fully_shard() -> None:
-    """A model the user sharded with fully_shard(reshard_after_forward=2) trains, once enabled
-    with all three techniques, exactly as zeropp.shard's (bit-identical losses)."""
-    result = run_distributed(_enable_worker, 4, 2, env=TWO_BY_TWO)[0]
+@pytest.mark.parametrize("hpz_reshard", [2, pytest.param(True, marks=pytest.mark.slow)])
+def test_enable_adds_zeropp_to_a_model_sharded_with_fully_shard(hpz_reshard: bool | int) -> None:
+    """A model the user sharded with fully_shard, with reshard_after_forward=2 or True (as
+    torchtitan and accelerate shard: a bool), trains, once enabled with all three techniques
+    (hpZ 2), exactly as zeropp.shard's (bit-identical losses): enable sets hpZ's partition."""
+    result = run_distributed(_enable_worker, 4, hpz_reshard, env=TWO_BY_TWO)[0]
     assert result["losses"]["ours"] == result["losses"]["theirs"]
     assert result["num_qgz"] == 3 and result["hooks"]
-
-
-@pytest.mark.slow
-def test_enable_names_the_fix_when_hpz_was_not_chosen_at_sharding() -> None:
-    result = run_distributed(_enable_worker, 4, True, env=TWO_BY_TWO)[0]
-    assert "hpz_partition_size=2" in result["error"]
-    assert "fully_shard(module, reshard_after_forward=2)" in result["error"]
 
 
 def _refusal_worker(rank: int, world_size: int) -> str:

@@ -28,6 +28,7 @@ from torch.distributed import distributed_c10d as c10d
 from torch.distributed.checkpoint._nested_dict import set_element
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict as load_state_dict_into
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
@@ -56,6 +57,7 @@ __all__ = [
     "secondary_bytes_held",
     "shard_versions",
     "set_element",
+    "set_post_forward_mesh",
     "set_process_group_timeouts",
     "set_unshard_async",
     "unit_layout",
@@ -82,7 +84,10 @@ class UnitLayout:
     """Ranks the unit is sharded over (its FSDP mesh's shard dimension); 1 for an empty unit."""
     post_forward_group_size: int
     """Ranks the unit stays sharded over between forward and backward: the hpZ partition size
-    when ``reshard_after_forward`` is an int, else ``shard_group_size``."""
+    (``set_post_forward_mesh``, or ``reshard_after_forward`` an int), else ``shard_group_size``
+    (also for a unit kept whole after forward: see ``kept_whole_after_forward``)."""
+    kept_whole_after_forward: bool = False
+    """The unit keeps its weights gathered from forward to backward (``reshard_after_forward=False``)."""
 
 
 def unit_layout(module: FSDPModule) -> UnitLayout:
@@ -103,7 +108,24 @@ def unit_layout(module: FSDPModule) -> UnitLayout:
         gather_dtypes=[param_dtype or p.sharded_param.dtype for p in params],
         shard_group_size=world_size,
         post_forward_group_size=post_forward.shard_mesh_size if post_forward is not None else world_size,
+        kept_whole_after_forward=post_forward is None,
     )
+
+
+def set_post_forward_mesh(unit: FSDPModule, mesh: DeviceMesh) -> None:
+    """Reshard the unit after forward over the rows of ``mesh`` (2-D: replicas x partition)
+    instead of the mesh FSDP2 chose: hpZ's secondary partition, one mesh for every unit ([Note:
+    one node mesh] in ``zeropp.topology``). FSDP2's public ``set_reshard_after_forward`` takes
+    only a bool; an int ``reshard_after_forward`` makes FSDP2 build a mesh per unit. Each
+    parameter's post-forward shard shape is derived as FSDP2 derives it when sharding."""
+    param_group = _param_group(unit)
+    if param_group is None:
+        return
+    info = HSDPMeshInfo(mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+    param_group.post_forward_mesh_info = info
+    for fsdp_param in param_group.fsdp_params:
+        fsdp_param.post_forward_mesh_info = info
+        fsdp_param._init_sharded_post_forward_param_metadata(torch.empty(fsdp_param._orig_size, device="meta"))
 
 
 def register_primary_shards(unit: FSDPModule, whole: bool = False) -> None:

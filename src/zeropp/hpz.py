@@ -1,8 +1,9 @@
 """hpZ: the secondary weight partition inside each node (ZeRO++ section 3.2).
 
-FSDP2 builds it: ``fully_shard(..., reshard_after_forward=<hpZ size>)`` keeps, after a unit's
-forward, its weights sharded over the ``hpZ size`` ranks of the node instead of the world, so the
-backward all-gather never crosses a node boundary. This module holds what zeropp adds: the size
+FSDP2 keeps, after a unit's forward, its weights sharded over the unit's post-forward mesh;
+``zeropp.enable`` sets that mesh to hpZ's node partition (one mesh for every unit, [Note: one
+node mesh] in ``zeropp.topology``), so the backward all-gather runs over ``hpZ size`` ranks of
+one node and never crosses a node boundary. This module holds what zeropp adds: the size
 check, the hooks that keep the secondary copy from ever being stale, its reuse across the
 ``no_grad`` forwards of generation (``generation_mode``), and its memory accounting.
 """
@@ -47,12 +48,6 @@ def check_hpz(hpz_partition_size: int, topology: Topology) -> None:
             f"({topology.ranks_per_node}, layout {topology.num_nodes} nodes x "
             f"{topology.ranks_per_node}) so that the secondary partition stays inside a node; "
             f"allowed: {divisors} (1 = off, {topology.ranks_per_node} = the whole node)")
-
-
-def reshard_after_forward(hpz_partition_size: int) -> bool | int:
-    """FSDP2's ``reshard_after_forward`` for an hpZ size: the size itself, or ``True`` (reshard
-    over the whole world, plain ZeRO-3) when hpZ is off."""
-    return hpz_partition_size if hpz_partition_size > 1 else True
 
 
 class SecondaryCopies:
@@ -148,9 +143,8 @@ def generation_mode(model: nn.Module, copy: str = "node") -> Iterator[None]:
         raise ValueError(f"generation_mode copy={copy!r} is not one of {GENERATION_COPIES}")
     copies = _COPIES.get(model)
     if copies is None:
-        raise ValueError(f"generation_mode needs a model sharded with hpZ (hpz_partition_size > 1, or "
-                         f"fully_shard(..., reshard_after_forward=<ranks per node>) and zeropp.enable); "
-                         f"{type(model).__name__} keeps no secondary copy to reuse")
+        raise ValueError(f"generation_mode needs a model sharded with hpZ (zeropp.shard or zeropp.enable with "
+                         f"hpz_partition_size > 1); {type(model).__name__} keeps no secondary copy to reuse")
     if copies.generating and copy != copies.copy:
         raise ValueError(f"generation_mode(copy={copy!r}) inside generation_mode(copy={copies.copy!r}) on the "
                          "same model: nest contexts of one kind")

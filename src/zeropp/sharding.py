@@ -24,6 +24,7 @@ from zeropp._fsdp import (
     ReduceScatter,
     fsdp_units,
     gradients_read_only_after_backward,
+    set_post_forward_mesh,
     set_unshard_async,
     unit_layout,
 )
@@ -34,7 +35,6 @@ from zeropp.hpz import (
     generate_in_generation_mode,
     has_secondary_copy,
     keep_secondary_copies_fresh,
-    reshard_after_forward,
 )
 from zeropp.qgz import HierarchicalQuantizedReduceScatter
 from zeropp.qwz import QuantizedAllGather, quantized_parameters
@@ -69,11 +69,10 @@ def shard(
     _check_patterns(model, config.unquantized_parameters)
     unit_modules = select_units(model, units)
     scalars = scalar_parameters(model)
-    groups = _process_groups(topology, model)
+    groups = _process_groups(topology, model, config)
     mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
-    reshard = reshard_after_forward(config.hpz_partition_size)
-    for module in [*unit_modules, model]:
-        fully_shard(module, mesh=groups.mesh, reshard_after_forward=reshard, mp_policy=mp_policy,
+    for module in [*unit_modules, model]:  # hpZ's node mesh is set by _enable ([Note: one node mesh])
+        fully_shard(module, mesh=groups.mesh, reshard_after_forward=True, mp_policy=mp_policy,
                     ignored_params=set(scalars) or None)
     replicate_scalars(scalars, topology)
     return _enable(model, config, groups)
@@ -81,12 +80,14 @@ def shard(
 
 def enable(model: nn.Module, config: ZeroPPConfig | None = None, *, topology: Topology | None = None) -> nn.Module:
     """Add ZeRO++ to a model already sharded with ``fully_shard`` (by the user, accelerate's FSDP2
-    plugin or torchtitan), in place, and return it: qwZ and qgZ comms on every unit, hpZ's
-    never-stale hooks on the root. Calling it again replaces the comms (a re-initialised engine).
+    plugin or torchtitan), in place, and return it: qwZ and qgZ comms on every unit, hpZ's node
+    mesh and never-stale hooks. Calling it again replaces the comms (a re-initialised engine).
 
-    hpZ is FSDP2's ``reshard_after_forward=<ranks>``, chosen when the model is sharded, so with
-    ``hpz_partition_size > 1`` every unit must have been sharded with that value; qgZ's two hops
-    need every unit sharded over the whole world (a 1-D mesh, not HSDP's 2-D one).
+    With ``hpz_partition_size > 1`` every unit that reshards after forward (``fully_shard``'s
+    ``reshard_after_forward=True``, or the same int) reshards to hpZ's node partition instead,
+    one mesh for the whole model ([Note: one node mesh]); a unit kept whole after forward
+    (``reshard_after_forward=False``) stays whole. qgZ's two hops need every unit sharded over
+    the whole world (a 1-D mesh, not HSDP's 2-D one).
     """
     _require_process_group("zeropp.enable")
     if not isinstance(model, FSDPModule):
@@ -96,23 +97,28 @@ def enable(model: nn.Module, config: ZeroPPConfig | None = None, *, topology: To
     topology = topology if topology is not None else Topology.from_env()
     check_hpz(config.hpz_partition_size, topology)
     _check_patterns(model, config.unquantized_parameters)
-    return _enable(model, config, _process_groups(topology, model))
+    return _enable(model, config, _process_groups(topology, model, config))
 
 
-def _process_groups(topology: Topology, model: nn.Module) -> ProcessGroups:
-    groups = build_process_groups(topology, device_type_of(model))
+def _process_groups(topology: Topology, model: nn.Module, config: ZeroPPConfig) -> ProcessGroups:
+    groups = build_process_groups(topology, device_type_of(model), config.hpz_partition_size)
     check_hosts(topology, all_gather_strings(socket.gethostname()))
     return groups
 
 
 def _enable(model: FSDPModule, config: ZeroPPConfig, groups: ProcessGroups) -> nn.Module:
     units = list(fsdp_units(model))
+    names = {id(module): name for name, module in model.named_modules()}
     for unit in units:
-        check_unit(unit, config, groups.topology)
+        check_unit(unit, config, groups.topology, names[id(unit)] or "the root")
+    if groups.hpz_mesh is not None:
+        for unit in units:
+            if not unit_layout(unit).kept_whole_after_forward:
+                set_post_forward_mesh(unit, groups.hpz_mesh)
     installed = ShardedComms()
-    prefixes = {id(module): f"{name}." if name else "" for name, module in model.named_modules()}
     for unit in units:
-        installed.add(unit, *_install_comms(unit, groups, config, prefixes[id(unit)]))
+        prefix = f"{names[id(unit)]}." if names[id(unit)] else ""
+        installed.add(unit, *_install_comms(unit, groups, config, prefix))
     if config.overlap:
         prefetch_neighbours(model)
     previous = _SHARDED.get(model)
@@ -175,22 +181,23 @@ def _require_process_group(caller: str) -> None:
                            "dist.init_process_group (torchrun sets the environment for it) first")
 
 
-def check_unit(unit: FSDPModule, config: ZeroPPConfig, topology: Topology) -> None:
-    """A unit sharded by someone else must suit the techniques asked for; the error says how to
-    shard it instead."""
+def check_unit(unit: FSDPModule, config: ZeroPPConfig, topology: Topology, name: str) -> None:
+    """A unit sharded by someone else must suit the techniques asked for; the error names the unit
+    (``name``, its path in the model) and says how to shard it instead."""
     layout = unit_layout(unit)
-    name = type(unit).__name__
+    name = f"unit {name!r} ({type(unit).__name__})"
     if config.quantized_gradients and layout.padded_numels and layout.shard_group_size != topology.world_size:
         raise ValueError(
             f"qgZ needs every unit sharded over the whole world ({topology.world_size} ranks); {name} is "
             f"sharded over {layout.shard_group_size} (HSDP or a 2-D mesh): shard it with fully_shard(module, "
             "mesh=<1-D world mesh>) or turn quantized_gradients off")
     hpz = config.hpz_partition_size
-    if hpz > 1 and layout.padded_numels and layout.post_forward_group_size != hpz:
+    if hpz > 1 and layout.padded_numels and layout.post_forward_group_size not in (hpz, layout.shard_group_size):
         raise ValueError(
-            f"hpz_partition_size={hpz}, but {name} keeps its weights sharded over "
-            f"{layout.post_forward_group_size} ranks after forward: hpZ is chosen when sharding; call "
-            f"fully_shard(module, reshard_after_forward={hpz}) on every unit (or set hpz_partition_size=1)")
+            f"hpz_partition_size={hpz}, but {name} was sharded with reshard_after_forward="
+            f"{layout.post_forward_group_size} (its weights stay sharded over that many ranks after forward): "
+            f"shard it with reshard_after_forward=True (zeropp.enable then sets hpZ's partition) or {hpz}, "
+            f"or set hpz_partition_size={layout.post_forward_group_size}")
 
 
 @dataclass

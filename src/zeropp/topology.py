@@ -140,10 +140,14 @@ class ProcessGroups:
     """This rank's node (size ranks_per_node)."""
     inter_node_group: dist.ProcessGroup
     """Ranks with this rank's local index on every node (size num_nodes)."""
+    hpz_mesh: DeviceMesh | None = None
+    """hpZ's 2-D (replicas x partition) mesh, shared by every unit of a model: each row is one
+    secondary partition inside a node; None without hpZ. See [Note: one node mesh]."""
 
 
-def build_process_groups(topology: Topology, device_type: str = "cpu") -> ProcessGroups:
-    """Create the world mesh and this rank's intra- and inter-node groups.
+def build_process_groups(topology: Topology, device_type: str = "cpu", hpz_partition_size: int = 1) -> ProcessGroups:
+    """Create the world mesh, this rank's intra- and inter-node groups and, with hpZ
+    (``hpz_partition_size > 1``), hpZ's node mesh.
 
     Every rank must call this in the same order (``new_group`` is collective over the world).
     """
@@ -158,7 +162,31 @@ def build_process_groups(topology: Topology, device_type: str = "cpu") -> Proces
     mesh = init_device_mesh(device_type, (topology.world_size,))
     intra = _new_groups([topology.node_ranks(n) for n in range(topology.num_nodes)], rank)
     inter = _new_groups([topology.peer_ranks(d) for d in range(topology.ranks_per_node)], rank)
-    return ProcessGroups(topology, mesh, intra, inter)
+    hpz_mesh = _hpz_mesh(topology, hpz_partition_size, intra, inter, device_type)
+    return ProcessGroups(topology, mesh, intra, inter, hpz_mesh)
+
+
+def _hpz_mesh(topology: Topology, hpz_partition_size: int, intra: dist.ProcessGroup, inter: dist.ProcessGroup,
+              device_type: str) -> DeviceMesh | None:
+    """[Note: one node mesh]
+    hpZ keeps each unit's weights sharded over ``hpz_partition_size`` ranks of a node between
+    forward and backward. FSDP2 builds that post-forward mesh itself when a unit is sharded with
+    an int ``reshard_after_forward``: a new DeviceMesh, and so two new process groups (W / hpZ +
+    hpZ ``new_group`` calls), for every unit; a 32-layer model on NCCL would hold 64 extra
+    communicators. zeropp shards with ``reshard_after_forward=True`` and gives every unit this
+    one mesh instead (``_fsdp.set_post_forward_mesh``): rows are the partitions, columns the
+    ranks holding the same slice. When the partition is the whole node it is made of the groups
+    zeropp already has (rows: the intra-node groups, columns: the inter-node groups), so hpZ adds
+    no process group at all; a partition smaller than the node takes one 2-D mesh per model."""
+    if hpz_partition_size == 1:
+        return None
+    world_size = topology.world_size
+    if hpz_partition_size == topology.ranks_per_node:
+        layout = torch.arange(world_size).view(topology.num_nodes, topology.ranks_per_node)
+        return DeviceMesh.from_group([inter, intra], device_type, mesh=layout,
+                                     mesh_dim_names=("hpz_replica", "hpz_partition"))
+    return init_device_mesh(device_type, (world_size // hpz_partition_size, hpz_partition_size),
+                            mesh_dim_names=("hpz_replica", "hpz_partition"))
 
 
 def _new_groups(rank_lists: list[list[int]], rank: int) -> dist.ProcessGroup:
