@@ -194,8 +194,8 @@ def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
     groups.set_yscale("log")
     groups.set_ylabel("new_group calls at set-up (every rank makes them)")
     ratio.axhspan(1 - TOLERANCE, 1 + TOLERANCE, color="green", alpha=0.1)
-    ratio.set_ylabel("zeropp plan's peak memory / measured (FSDPMemTracker)")
-    share.set_ylabel("zeropp's own Python / step time (rank 0, one step)")
+    ratio.set_ylabel("peak memory: zeropp plan / measured")
+    share.set_ylabel("zeropp's own time / step (rank 0)")
     for ax in (groups, ratio, share):
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted({r["world_size"] for r in ran}), [str(w) for w in sorted({r["world_size"] for r in ran})])
