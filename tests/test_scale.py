@@ -99,3 +99,17 @@ def test_rank_positions_find_the_first_empty_shard() -> None:
 def test_world_sizes_must_be_multiples_of_a_node(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="multiples of 8"):
         _world_sizes(text)
+
+
+@pytest.mark.slow
+def test_quick_bench_writes_its_table(tmp_path) -> None:
+    """``zeropp bench scale --quick`` at one world size and mode: a process per run, the full
+    model's set-up and the slice's step at every rank position, each beside the plan; the JSON
+    and the chart are written."""
+    result = scale.run(out_dir=str(tmp_path), quick=True, world_sizes=(384,), modes=("all",))
+    records = result["records"]
+    assert [(r["position"], r["layers"], r["step"]) for r in records] == [
+        ("first", 4, False), ("first", 2, True), ("middle", 2, True), ("last", 2, True), ("empty", 2, True)]
+    assert all(r["ran"] and r["new_group_calls"] == 384 // 8 + 8 for r in records)
+    assert all(abs(r["predicted_over_measured"] - 1) <= scale.TOLERANCE for r in records if r["step"])
+    assert (tmp_path / "bench_scale.json").exists() and (tmp_path / "bench_scale.png").exists()
