@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,7 @@ __all__ = [
     "at_backward_end",
     "backward_id",
     "before_gradient_reduction",
+    "counting_new_groups",
     "fsdp_units",
     "give_zero_gradients",
     "gradients_present",
@@ -55,6 +57,7 @@ __all__ = [
     "in_backward",
     "load_state_dict_into",
     "mark_prepared_for_accelerate",
+    "num_process_groups",
     "reached_in_backward",
     "reduce_op_parts",
     "register_primary_shards",
@@ -66,6 +69,7 @@ __all__ = [
     "set_unshard_async",
     "unit_layout",
     "unit_parameters",
+    "unsharded_gradients",
 ]
 
 
@@ -164,6 +168,16 @@ def unit_parameters(unit: FSDPModule) -> list[nn.Parameter]:
     holds them (the primary shards), in FSDP2's order."""
     param_group = _param_group(unit)
     return [] if param_group is None else [p.sharded_param for p in param_group.fsdp_params]
+
+
+def unsharded_gradients(unit: FSDPModule) -> list[torch.Tensor]:
+    """The unit's gradients as autograd wrote them, before its reduce-scatter (whole, in the
+    gather dtype): what FSDP2 reduces when the unit's backward ends."""
+    param_group = _param_group(unit)
+    if param_group is None:
+        return []
+    whole = [p._unsharded_param for p in param_group.fsdp_params if hasattr(p, "_unsharded_param")]
+    return [param.grad for param in whole if param.grad is not None]
 
 
 @torch.no_grad()
@@ -361,6 +375,30 @@ def set_process_group_timeouts(timeout_s: float) -> None:
     for group in list(c10d._world.pg_map):
         c10d._set_pg_timeout(timeout, group)
 
+
+def num_process_groups() -> int:
+    """Process groups this process is a member of, the world included (c10d's registry)."""
+    return len(c10d._world.pg_map)
+
+
+@contextmanager
+def counting_new_groups() -> Iterator[list[int]]:
+    """Count the groups created inside the block, this rank a member or not: ``new_group`` is
+    collective over the world, so every rank pays for every call. zeropp's, ``DeviceMesh``'s
+    and FSDP2's calls alike run through c10d's ``_new_group_with_tag``; the yielded list's one
+    element is the count so far."""
+    count = [0]
+    create = c10d._new_group_with_tag
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return create(*args, **kwargs)
+
+    c10d._new_group_with_tag = counted
+    try:
+        yield count
+    finally:
+        c10d._new_group_with_tag = create
 
 
 def mark_prepared_for_accelerate(model: nn.Module) -> None:

@@ -60,23 +60,17 @@ class CollectiveError(RuntimeError):
 
 
 class Recorder:
-    """Where collectives are recorded: a ledger, the topology, and a per-group cache of the link
-    facts the ledger needs (computed once per process group)."""
+    """Where collectives are recorded: a ledger, and the topology that classifies each group's
+    links (``group_info``)."""
 
     def __init__(self, topology: Topology, ledger: CommLedger | None = None) -> None:
         self.topology = topology
         self.ledger = ledger if ledger is not None else comm_ledger()
         self.unit = ""
         """The unit whose collectives these are (its path in the model), named when one fails."""
-        self._groups: dict[dist.ProcessGroup, GroupInfo] = {}
 
     def group_info(self, group: dist.ProcessGroup) -> GroupInfo:
-        info = self._groups.get(group)
-        if info is None:
-            ranks = dist.get_process_group_ranks(group)
-            info = self._groups[group] = GroupInfo.of(self.topology, ranks, dist.get_rank(),
-                                                      str(dist.get_backend(group)))
-        return info
+        return group_info(self.topology, group)
 
     def record(self, op: Op, group: dist.ProcessGroup, bytes_per_peer: int, dtype: torch.dtype | str,
                technique: str) -> None:
@@ -129,6 +123,22 @@ class NamedWork(dist.Work):
             return self._work.wait()
         except RuntimeError as error:
             raise self._failure(error) from error
+
+
+_GROUP_INFO: dict[tuple[Topology, dist.ProcessGroup], GroupInfo] = {}
+
+
+def group_info(topology: Topology, group: dist.ProcessGroup) -> GroupInfo:
+    """The link facts the ledger needs about ``group``, built once per process group and topology
+    and shared by every comm of every unit and every call after: building them reads the
+    group's ranks and each one's node, work that grows with the world (4,096 ranks on the world
+    group), while a collective's hot path only looks them up."""
+    info = _GROUP_INFO.get((topology, group))
+    if info is None:
+        ranks = dist.get_process_group_ranks(group)
+        info = _GROUP_INFO[(topology, group)] = GroupInfo.of(topology, ranks, dist.get_rank(),
+                                                              str(dist.get_backend(group)))
+    return info
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, recorder: Recorder,

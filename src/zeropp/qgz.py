@@ -14,7 +14,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -41,17 +41,25 @@ def intra_node_send_order(num_nodes: int, ranks_per_node: int) -> torch.Tensor:
     return torch.arange(num_nodes * ranks_per_node).view(num_nodes, ranks_per_node).t().reshape(-1)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Route:
     """One hop's rows: those this rank keeps (``own``, slots ``own_start:own_stop`` of the
     result) and those it sends (``sent``, in the order of the peers), and how many rows each
-    peer sends it."""
+    peer sends it. Built once per shape and group: its index tensors and per-peer lists grow
+    with the group (512 peers on the inter-node hop of 4,096 ranks), a call only reads them."""
 
     own: torch.Tensor
     sent: torch.Tensor
     own_start: int
     own_stop: int
     rows_from: list[int]
+    _split_bytes: dict[int, list[int]] = field(default_factory=dict)
+
+    def split_bytes(self, row_bytes: int) -> list[int]:
+        """The all-to-all's per-peer split for packed rows of ``row_bytes``, built once per size."""
+        if row_bytes not in self._split_bytes:
+            self._split_bytes[row_bytes] = [count * row_bytes for count in self.rows_from]
+        return self._split_bytes[row_bytes]
 
 
 @dataclass(frozen=True)
@@ -250,7 +258,7 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
         if self.error_feedback:
             self._keep_residual(hop, rows, route.sent, packed, codec)
         received = torch.empty_like(packed)
-        work = all_to_all(received.view(-1), packed.view(-1), [count * codec.nbytes for count in route.rows_from],
+        work = all_to_all(received.view(-1), packed.view(-1), route.split_bytes(codec.nbytes),
                           group, self.recorder, self.technique, dtype=_payload_dtype(codec),
                           async_op=async_op)
         return _Exchange(work, received, rows.index_select(0, route.own), route, codec, rows.shape)

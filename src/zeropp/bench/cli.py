@@ -1,4 +1,4 @@
-"""``zeropp bench quant|qgz-error|comm|step|generate|overhead|export``: the benchmarks' command-line options."""
+"""``zeropp bench quant|qgz-error|comm|step|generate|overhead|export|scale``: the benchmarks' command-line options."""
 
 from __future__ import annotations
 
@@ -10,13 +10,16 @@ from zeropp.modes import MODES, parse_modes
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``zeropp bench``'s options; each benchmark takes the ones it names."""
-    parser.add_argument("what", choices=["quant", "qgz-error", "comm", "step", "generate", "overhead", "export"])
+    parser.add_argument("what", choices=["quant", "qgz-error", "comm", "step", "generate", "overhead", "export",
+                                                "scale"])
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--quick", action="store_true",
-                        help="comm/step/overhead: a tiny model or few steps; qgz-error: 2x2 synthetic only (smoke run)")
+                        help="comm/step/overhead: a tiny model or few steps; qgz-error: 2x2 synthetic only; scale: a "
+                             "narrow Llama at 384 and 1024 ranks (smoke run)")
     parser.add_argument("--modes", type=lambda text: parse_modes(text, MODES), default=None,
                         help=f"comm/step: comma-separated modes (default: {','.join(BENCH_MODES)}; step adds "
-                             "'deepspeed' when DeepSpeed is installed)")
+                             "'deepspeed' when DeepSpeed is installed); scale: zeropp modes (default: "
+                             "zero3,qwz,hpz,qgz,all)")
     parser.add_argument("--bandwidths", type=lambda text: tuple(text.split(",")), default=None,
                         help="step: comma-separated inter-node rates (default: unlimited,1gbit,100mbit)")
     parser.add_argument("--param-dtype", choices=["bfloat16", "float32"], default="bfloat16",
@@ -30,7 +33,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="step: skip the per-mode peak-RSS jobs")
     parser.add_argument("--models", type=lambda text: tuple(text.split(",")), default=None,
                         help="overhead: comma-separated, from demo, gpt_6x96, gpt_25m (default: all three)")
+    parser.add_argument("--world-sizes", type=_world_sizes, default=None,
+                        help="scale: comma-separated world sizes, multiples of 8 (default: 64,384,1024,4096)")
+    parser.add_argument("--no-full", action="store_true", help="scale: skip the full model's set-up runs")
     parser.set_defaults(func=run_from_args)
+
+
+def _world_sizes(text: str) -> tuple[int, ...]:
+    sizes = tuple(int(w) for w in text.split(",") if w.isdigit())
+    if not sizes or len(sizes) != len(text.split(",")) or any(w < 8 or w % 8 for w in sizes):
+        raise argparse.ArgumentTypeError(f"--world-sizes {text!r} must be comma-separated multiples of 8 (8 ranks "
+                                         "per node), e.g. 64,384")
+    return sizes
 
 
 def _model_shape(text: str) -> dict[str, int]:
@@ -63,6 +77,11 @@ def run_from_args(args: argparse.Namespace) -> int:
         from zeropp.bench import overhead
 
         overhead.run(out_dir=args.out, quick=args.quick, **({"models": args.models} if args.models else {}))
+    elif args.what == "scale":
+        from zeropp.bench import scale
+
+        scale.run(out_dir=args.out, quick=args.quick, world_sizes=args.world_sizes, modes=args.modes,
+                  full=not args.no_full)
     elif args.what == "comm":
         from zeropp.bench import comm
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 from zeropp.config import ZeroPPConfig
 from zeropp.ledger import GroupKind, Op
+from zeropp.plan.memory import RankMemory, rank_memory
 from zeropp.plan.model import ModelShape
 from zeropp.plan.traffic import Precision, Transfer, padded_numels, step_transfers
 from zeropp.topology import Topology
@@ -92,8 +93,6 @@ class Workload:
     precision: Precision = Precision()
     activation_checkpointing: bool = False
     """Recompute each layer's forward in backward (one more forward's FLOPs, far less memory)."""
-    optimizer_bytes_per_parameter: int = 16
-    """Sharded training state per parameter: fp32 weight, gradient and Adam's two moments."""
 
     @property
     def tokens_per_rank(self) -> int:
@@ -244,37 +243,11 @@ def _overlapped(compute: list[float], comm: list[dict[str, float]], workload: Wo
     return forward + backward + comm[0]["reduce"]
 
 
-@dataclass(frozen=True)
-class Memory:
-    """Bytes per rank at the step's peak."""
-
-    sharded_state: float
-    secondary_copy: float
-    gathered: float
-    activations: float
-
-    @property
-    def total(self) -> float:
-        return self.sharded_state + self.secondary_copy + self.gathered + self.activations
-
-
-def memory(model: ModelShape, config: ZeroPPConfig | None, topology: Topology, workload: Workload) -> Memory:
-    """Peak bytes per rank: the sharded parameters, gradients and optimizer state; hpZ's secondary
-    copy; two whole units in the gather dtype (the one computing and the one prefetched) plus one
-    unit's unsharded gradient; the activations kept for backward."""
-    shard_size = topology.ranks_per_node if config is None else topology.world_size
-    padded = [padded_numels(unit, shard_size) for unit in model.units]
-    sharded = sum(map(sum, padded)) / shard_size * workload.optimizer_bytes_per_parameter
-    gather_size = workload.precision.gather_dtype.itemsize
-    hpz = config.hpz_partition_size if config is not None else 1
-    secondary = 0.0
-    if hpz > 1:
-        secondary = sum(sum(padded_numels(unit, topology.world_size)) for unit in model.units) / hpz * gather_size
-    largest = sorted((unit.num_parameters for unit in model.units), reverse=True)[:2]
-    gathered = sum(largest) * gather_size + largest[0] * workload.precision.reduce_dtype.itemsize
-    activations = model.activation_bytes(workload.batch_per_rank, workload.context_length,
-                                         workload.activation_checkpointing, gather_size)
-    return Memory(sharded, secondary, gathered, activations)
+def memory(model: ModelShape, config: ZeroPPConfig | None, topology: Topology, workload: Workload,
+           rank: int = 0) -> RankMemory:
+    """Peak bytes on ``rank`` in one step, by what they are (``zeropp.plan.memory``)."""
+    return rank_memory(model, config, topology, workload.precision, workload.batch_per_rank, workload.context_length,
+                       rank, workload.activation_checkpointing)
 
 
 def tokens_per_s(model: ModelShape, config: ZeroPPConfig | None, topology: Topology, workload: Workload,

@@ -47,8 +47,7 @@ def measurements(bench_step: dict[str, Any]) -> list[Measurement]:
     precision = Precision(gather_dtype=getattr(torch, config["param_dtype"]),
                           reduce_dtype=getattr(torch, config["reduce_dtype"]))
     workload = Workload(batch_per_rank=config["batch_size"] // topology.world_size,
-                        context_length=config["context_length"], precision=precision,
-                        optimizer_bytes_per_parameter=16)
+                        context_length=config["context_length"], precision=precision)
     out = []
     for record in bench_step["records"]:
         mode = MODES[record["mode"]]

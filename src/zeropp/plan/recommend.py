@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zeropp.config import ZeroPPConfig
-from zeropp.plan.cost import Machine, Memory, StepTime, Workload, memory, step_time
+from zeropp.plan.cost import Machine, StepTime, Workload, memory, step_time
+from zeropp.plan.memory import RankMemory
 from zeropp.plan.model import ModelShape
 from zeropp.topology import Topology
 
@@ -30,7 +31,7 @@ class Candidate:
     lossiness: int
     """0 exact (ZeRO-3, HSDP, hpZ), 1 one quantized collective, 2 two, 3 two plus 6-bit weights."""
     step: StepTime
-    memory: Memory
+    memory: RankMemory
 
 
 def candidate_configs(ranks_per_node: int) -> list[tuple[str, ZeroPPConfig | None, int]]:
@@ -82,8 +83,10 @@ def recommend(model: ModelShape, topology: Topology, workload: Workload, machine
         raise ValueError(
             f"{model.name} does not fit on {topology.world_size} GPUs of {machine.memory_bytes / 1e9:.0f} GB in any "
             f"configuration: the smallest ({least.name}) needs {least.memory.total / 1e9:.1f} GB per GPU "
-            f"({least.memory.sharded_state / 1e9:.1f} sharded state, {least.memory.activations / 1e9:.1f} "
-            f"activations, {least.memory.gathered / 1e9:.1f} gathered units); use more GPUs"
+            f"at its peak ({least.memory.moment}: {(least.memory.parameters + least.memory.optimizer) / 1e9:.1f} "
+            f"sharded state, {least.memory.activations / 1e9:.1f} activations, "
+            f"{(least.memory.gathered + least.memory.reduce_buffers) / 1e9:.1f} gathered units and comm buffers); "
+            "use more GPUs"
             + (", a smaller batch per GPU" if workload.batch_per_rank > 1 else "")
             + ("" if workload.activation_checkpointing else ", or activation checkpointing"))
     fastest = fitting[0]
@@ -106,7 +109,8 @@ def _reason(choice: Candidate, fastest: Candidate, baseline: Candidate, machine:
     if choice.lossiness == 0 and exposed < 0.05:
         parts.append("communication already hides behind compute: quantizing would cost accuracy for nothing")
     if choice.config is not None and choice.config.hpz_partition_size > 1:
-        parts.append(f"hpZ's secondary copy takes {choice.memory.secondary_copy / 1e9:.1f} GB per GPU")
+        parts.append(f"hpZ's secondary copies hold {choice.memory.secondary_copy / 1e9:.1f} GB per GPU at the "
+                     "step's peak")
     if choice.config is not None and choice.config.weight_bits < 8:
         parts.append(f"{choice.config.weight_bits}-bit weights: measured within 1% of ZeRO-3 on the GPT (README, "
                      "accuracy); check on your model, or take the 8-bit candidate "
