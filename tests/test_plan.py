@@ -239,11 +239,18 @@ def test_memory_counts_the_secondary_copy_and_sharded_state() -> None:
     shape = _small_gpt(4, 256)
     topology = Topology(num_nodes=2, ranks_per_node=4)
     workload = _paper_workload(1024)
-    zero3 = cost.memory(shape, MODES["zero3"].config(4), topology, workload)
-    every = cost.memory(shape, MODES["all"].config(4), topology, workload)
+    zero3, hpz, every = (cost.memory(shape, MODES[mode].config(4), topology, workload)
+                         for mode in ("zero3", "hpz", "all"))
     padded = sum(sum(traffic.padded_numels(u, 8)) for u in shape.units)
     assert zero3.sharded_state == every.sharded_state == padded / 8 * 16
-    assert zero3.secondary_copy == 0 and every.secondary_copy == padded / 4 * 2  # fp16 over the node's 4 ranks
+    assert zero3.secondary_copy == 0 and hpz.secondary_copy == padded / 4 * 2  # fp16 over the node's 4 ranks
+    # with qwZ the copy is 2 of the world's 8 payload rows: a byte per element and a 4-byte scale
+    # per 256; each parameter's slice of a row adds at most a partial block's scale and 3 bytes
+    # rounding its codes up to 4
+    codes = padded / 4 * (1 + 4 / 256)
+    num_tensors = sum(len(u.shapes) for u in shape.units)
+    assert codes <= every.secondary_copy <= codes + 2 * num_tensors * (4 + 3)
+    assert every.secondary_copy <= 0.53 * hpz.secondary_copy
 
 
 def test_recommend_quantizes_on_slow_links_and_not_on_fast_ones() -> None:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from zeropp.config import ZeroPPConfig
 from zeropp.ledger import GroupKind, Op
 from zeropp.plan.model import ModelShape
-from zeropp.plan.traffic import Precision, Transfer, padded_numels, step_transfers
+from zeropp.plan.traffic import Precision, Transfer, padded_numels, secondary_copy_bytes, step_transfers
 from zeropp.topology import Topology
 
 GBIT = 1e9 / 8
@@ -266,10 +266,7 @@ def memory(model: ModelShape, config: ZeroPPConfig | None, topology: Topology, w
     padded = [padded_numels(unit, shard_size) for unit in model.units]
     sharded = sum(map(sum, padded)) / shard_size * workload.optimizer_bytes_per_parameter
     gather_size = workload.precision.gather_dtype.itemsize
-    hpz = config.hpz_partition_size if config is not None else 1
-    secondary = 0.0
-    if hpz > 1:
-        secondary = sum(sum(padded_numels(unit, topology.world_size)) for unit in model.units) / hpz * gather_size
+    secondary = sum(secondary_copy_bytes(unit, config, topology, workload.precision) for unit in model.units)
     largest = sorted((unit.num_parameters for unit in model.units), reverse=True)[:2]
     gathered = sum(largest) * gather_size + largest[0] * workload.precision.reduce_dtype.itemsize
     activations = model.activation_bytes(workload.batch_per_rank, workload.context_length,
