@@ -108,6 +108,37 @@ def test_byte_mode_codes_each_segment_in_its_own_dtype() -> None:
         ChunkCodec([Segment(4, 8, torch.float32), Segment(4, 8)], 32, torch.uint8)
 
 
+@pytest.mark.parametrize("byte_mode", [False, True])
+def test_decode_regrouped_lays_out_the_chunks_of_a_coarser_split(byte_mode: bool) -> None:
+    """A unit of three parameters (padded numels 24, 8, 16; the middle one raw) split over 8
+    ranks, decoded into the same unit split over 2 (FSDP2's layout for hpZ's group of 2): row i
+    is, parameter by parameter, that parameter's decoded slices of ranks 4i .. 4i + 3, equal to
+    decoding the 8 rows and regrouping them by hand; split over 8 again it is ``decode``."""
+    g = torch.Generator().manual_seed(0)
+    dtypes = [torch.bfloat16, torch.float32, torch.float16] if byte_mode else [torch.float32] * 3
+    params = [torch.randn(n, generator=g).to(dtype) for n, dtype in zip((24, 8, 16), dtypes)]
+    segments = segments_for([24, 8, 16], [True, False, True], 8, 8, dtypes if byte_mode else None)
+    codec = ChunkCodec(segments, block_size=32, dtype=torch.uint8 if byte_mode else torch.float32)
+
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.uint8) if byte_mode else t
+
+    chunks = torch.stack([torch.cat([raw(p.view(8, -1)[rank]) for p in params]) for rank in range(8)])
+    packed = torch.empty(8, codec.nbytes, dtype=torch.uint8)
+    codec.encode(chunks, packed)
+    decoded = torch.empty_like(chunks)
+    codec.decode(packed, decoded)
+    lengths = [raw(p.view(8, -1)[0]).numel() for p in params]
+    by_param = [piece.reshape(2, -1) for piece in decoded.split(lengths, dim=1)]  # each parameter's 2 halves
+    expected = torch.cat(by_param, dim=1)
+    regrouped = torch.empty_like(expected)
+    codec.decode_regrouped(packed, regrouped)
+    assert torch.equal(regrouped, expected)
+    same = torch.empty_like(decoded)
+    codec.decode_regrouped(packed, same)
+    assert torch.equal(same, decoded)
+
+
 def _random_layouts(count: int) -> list[tuple[list[Segment], int, torch.dtype, int]]:
     """Chunk layouts that exercise the one-pass codec: empty, tiny, block-aligned and ragged
     segments, raw ones between quantized ones, every code width, every input dtype."""

@@ -209,9 +209,9 @@ def keep_secondary_as_codes(unit: FSDPModule, row_bytes: int | None) -> CodedSec
 
 def keep_decoded_secondary_copies(model: nn.Module) -> None:
     """From the next forward on, keep hpZ's secondary copies as FSDP2 makes them (the decoded
-    weights, in the gather dtype) instead of qwZ's codes: the same training bit for bit, at 2x
-    (bf16) or 4x (fp32) the copy's memory and, unless ``quantize_intra_node_weights``, 2x or 4x
-    the backward gather's bytes. For comparisons."""
+    weights, in the gather dtype) instead of qwZ's codes: the same training bit for bit, at about
+    2x (bf16) or 4x (fp32) the copy's memory and, unless ``quantize_intra_node_weights``, the
+    backward gather's bytes. For comparisons."""
     for unit in fsdp_units(model):
         if (copy := _CODE_COPIES.get(unit)) is not None:
             copy.enabled = False
@@ -233,7 +233,8 @@ def generation_mode(model: nn.Module, copy: str = "node") -> Iterator[None]:
     nodes (INT8 under qwZ) and keeps a copy that later ``no_grad`` forwards gather from:
 
     - ``copy="node"``: hpZ's secondary copy (the unit's weights sharded over the ranks of one
-      node: parameters x bytes / hpZ size per rank); every later forward gathers inside the node;
+      node: parameters x bytes / hpZ size per rank, or under qwZ its codes, [Note: hpZ's copy
+      as qwZ's codes]); every later forward gathers inside the node;
     - ``copy="full"``: each unit whole (parameters x bytes per rank); later forwards gather
       nothing. Faster where even the node's gather costs (FSDP2 rebuilds the secondary shard
       of every parameter after every forward), for models whose weights fit on a rank.
