@@ -252,8 +252,6 @@ def test_hpz_never_uses_stale_weights() -> None:
 def _train_codes_or_decoded(rank: int, world_size: int, setting: str, decoded: bool) -> dict:
     """Train one setting of [Note: hpZ's copy as qwZ's codes] with the copy as codes (default) or
     as FSDP2's decoded weights; report what the comparison needs."""
-    from torch.distributed.fsdp import FSDPModule as Unit
-
     from test_real_models import AdaptedStack
     from zeropp.hpz import held_secondary_copy_bytes, keep_decoded_secondary_copies
 
@@ -315,7 +313,6 @@ def _train_codes_or_decoded(rank: int, world_size: int, setting: str, decoded: b
         report.setdefault("backward_gathers", ledger.summary(phase="backward", op="all_gather")["by_group"])
     report["params"] = {n: p.full_tensor() for n, p in model.named_parameters()}
     report["held_after_step"] = held_secondary_copy_bytes(model)
-    report["num_units"] = sum(isinstance(m, Unit) for m in model.modules())
     return report
 
 
@@ -327,27 +324,28 @@ def _codes_worker(rank: int, world_size: int, settings: tuple[str, ...]) -> dict
     results = {}
     for setting in settings:
         codes, decoded = (_train_codes_or_decoded(rank, world_size, setting, d) for d in (False, True))
-        results[setting] = {
-            "equal_losses": all(torch.equal(a, b) for a, b in zip(codes.pop("losses"), decoded.pop("losses"))),
-            "equal_params": all(torch.equal(codes["params"][n], p) for n, p in decoded.pop("params").items()),
-            "equal_logits": all(torch.equal(a, b) for a, b in zip(codes.pop("logits", []), decoded.pop("logits", []))),
-            "codes": {**codes, "params": None}, "decoded": decoded}
+        equal = {key: all(torch.equal(a, b) for a, b in zip(codes.pop(key, []), decoded.pop(key, [])))
+                 for key in ("losses", "logits")}
+        params = codes.pop("params")
+        equal["params"] = all(torch.equal(params[n], p) for n, p in decoded.pop("params").items())
+        results[setting] = {"equal": equal, "codes": codes, "decoded": decoded}
     return results
 
 
 @pytest.mark.slow
 def test_secondary_copy_as_codes_trains_bit_identically_at_a_fraction_of_the_bytes() -> None:
     """All three on 2x2 (hpZ=2), the secondary copy kept as qwZ's codes against FSDP2's decoded
-    copy: losses and parameters equal bit for bit after 3 steps in every setting (accumulation,
-    bf16 with overlap, the optimizer in backward with gathers ahead, generation mode's
-    reuse, a load between forward and backward, a unit of fp32 and bf16 parameters with one left
-    unquantized, a unit called twice under checkpointing). The copy held after forward is
+    copy: losses and parameters equal bit for bit after 3 steps in every setting (the two-hop
+    gather with 4-bit asymmetric codes, accumulation, bf16 with overlap, the optimizer in
+    backward with gathers ahead, generation mode's reuse (its logits too), a load between
+    forward and backward, a unit of fp32 and bf16 parameters with one left unquantized, a unit
+    called twice under checkpointing). The copy held after forward is
     ``secondary_copy_bytes``, smaller as codes, nothing is held after the step, and each
     backward's intra-node gather sends exactly the copy (h - 1 = 1 peer)."""
     results = run_distributed(_codes_worker, 4, CODE_SETTINGS, env=TWO_BY_TWO, timeout=600)
     for result in results:
         for setting, r in result.items():
-            assert r["equal_losses"] and r["equal_params"] and r["equal_logits"], setting
+            assert all(r["equal"].values()), (setting, r["equal"])
             codes, decoded = r["codes"], r["decoded"]
             assert codes["secondary"] < decoded["secondary"], setting
             for run in (codes, decoded):
