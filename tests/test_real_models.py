@@ -295,7 +295,7 @@ def _refusal_worker(rank: int, world_size: int) -> str:
 @pytest.mark.slow
 def test_a_dtype_the_codec_cannot_take_is_refused_by_name() -> None:
     message = run_distributed(_refusal_worker, 2)[0]
-    assert "'weight'" in message and "(4, 4)" in message and "torch.float64" in message
+    assert "'0.0.weight'" in message and "(4, 4)" in message and "torch.float64" in message
     assert "torch.float32, torch.bfloat16, torch.float16" in message
 
 

@@ -110,7 +110,7 @@ def test_bf16_mixed_precision_tracks_fp32() -> None:
     assert max(r["errors"]) <= 0.05
     assert max(r["errors"]) > 0, "bf16 run identical to fp32: mixed precision was not applied"
     assert r["sharded_dtype"] == torch.float32
-    assert set(r["ledger"]["by_op"]) == {"all_gather", "reduce_scatter"}
+    assert set(r["ledger"]["by_op"]) == {"all_gather", "reduce_scatter", "all_reduce"}  # all_reduce: zeropp.unused
 
 
 class _Stack(nn.Module):
@@ -146,7 +146,8 @@ def _one_step_ledger(rank: int, world_size: int) -> dict:
 def test_ledger_matches_closed_form_2x2() -> None:
     """One fp32 step of a known model: every unit (the root's head included) is gathered in
     forward and again in backward, and its gradients reduce-scattered. Per unit each rank owes
-    its padded shard (S elements, 4 bytes) to each of W-1 = 3 peers, 2 of them on the other node."""
+    its padded shard (S elements, 4 bytes) to each of W-1 = 3 peers, 2 of them on the other node;
+    beside that, one byte per parameter all-reduced (which ranks had a gradient, zeropp.unused)."""
     results = run_distributed(_one_step_ledger, 4, env=TWO_BY_TWO)
     world_size = 4
     shard_bytes = sum(4 * _padded_shard_numel(s, world_size) for unit in results[0]["shapes"] for s in unit)
@@ -164,7 +165,9 @@ def test_ledger_matches_closed_form_2x2() -> None:
         rs = r["backward"]["by_op"]["reduce_scatter"]
         assert rs == {"calls": num_units, "bytes": 3 * shard_bytes, "cross_node_bytes": 2 * shard_bytes,
                       "backend_bytes": 6 * shard_bytes, "backend_cross_node_bytes": 6 * shard_bytes * crosses}
-        assert r["all"]["total"]["bytes"] == 9 * shard_bytes
+        presence_bytes = 2 * 3 * sum(len(unit) for unit in results[0]["shapes"])  # an all-reduce: two rounds
+        assert r["backward"]["by_op"]["all_reduce"]["bytes"] == presence_bytes
+        assert r["all"]["total"]["bytes"] == 9 * shard_bytes + presence_bytes
         assert r["all"]["by_group"] == {"world": r["all"]["total"]}
 
 

@@ -25,6 +25,8 @@ COMMANDS: dict[str, Command] = {
                     "train the demo GPT on Shakespeare on local ranks, ZeRO-3 beside ZeRO++"),
     "bench": Command("zeropp.bench.cli", "add_arguments", "benchmarks that print a table and write JSON"),
     "converge": Command("zeropp.bench.converge", "add_arguments", "loss curves of every mode on Shakespeare"),
+    "accuracy": Command("zeropp.bench.accuracy", "add_arguments",
+                        "does ZeRO++ cost accuracy? paired runs against perturbation controls, with a verdict"),
     "finetune": Command("zeropp.bench.finetune", "add_arguments",
                         "fine-tune SmolLM2-135M under ZeRO-3 and ZeRO++"),
     "rlhf": Command("zeropp.bench.rlhf", "add_arguments",

@@ -129,6 +129,8 @@ _ZEROPP_CHECKS: dict[str, Checker] = {
     "weight_bits": _WEIGHT_BITS,
     "weight_code": _WEIGHT_CODE,
     "unquantized_parameters": _PATTERNS,
+    "grad_full_precision_parameters": _PATTERNS,
+    "grad_full_precision_below": _NON_NEGATIVE_INT,
     **dict.fromkeys(("grad_bits_intra", "grad_bits_inter"), _GRAD_BITS),
     "grad_rotation": _GRAD_ROTATION,
     "grad_rounding": _GRAD_ROUNDING,
@@ -190,6 +192,16 @@ class ZeroPPConfig:
     0.6x the mean square error on them); 8-bit hops stay evenly spaced."""
     grad_block_size: int | None = None
     """qgZ: elements sharing one scale in the gradient code; None takes ``block_size``."""
+    grad_full_precision_parameters: tuple[str, ...] = ()
+    """qgZ: fnmatch patterns of parameter names (as ``model.named_parameters()`` spells them) whose
+    gradients travel unquantized, in the reduce dtype, inside the same all-to-all payloads, e.g.
+    ``("*ln*", "*.bias")``: their reduction is exact up to fp32 summation. See zeropp.qgz
+    [Note: full-precision gradients]."""
+    grad_full_precision_below: int = 0
+    """qgZ: parameters with fewer elements than this (unsharded) send their gradients unquantized,
+    as ``grad_full_precision_parameters`` does; 0 = none. LayerNorm weights and biases are tiny in
+    bytes (under 0.5% of a GPT's) and carry most of INT4's error per element ([Note: full-precision
+    gradients])."""
     grad_scale_bits: int = 32
     """qgZ: 8 sends each gradient block's scale as an 8-bit code under one fp32 scale per 16
     blocks, so ``grad_block_size=64`` costs 4.156 bits per element at INT4 where blocks of 256
@@ -215,6 +227,18 @@ class ZeroPPConfig:
     def __post_init__(self) -> None:
         _check_fields(self, _ZEROPP_CHECKS)
         self._check_bits()
+        if self.grad_full_precision_parameters and not self.quantized_gradients:
+            raise ValueError(f"grad_full_precision_parameters={list(self.grad_full_precision_parameters)} chooses "
+                             "gradients qgZ leaves unquantized, but qgZ is off: set quantized_gradients=true "
+                             "(DeepSpeed JSON: zero_optimization.zero_quantized_gradients) or leave it empty")
+        spares = self.grad_full_precision_parameters or self.grad_full_precision_below
+        if spares and self.quantized_gradients and not self.gradient_code.is_plain:
+            raise ValueError(f"grad_full_precision_parameters={list(self.grad_full_precision_parameters)} / "
+                             f"grad_full_precision_below={self.grad_full_precision_below} send some gradients "
+                             "unquantized, which the plain block code does and the lower-error codes do not "
+                             f"(grad_rotation={self.grad_rotation!r}, grad_rounding={self.grad_rounding!r}, "
+                             f"grad_levels={self.grad_levels!r}, grad_scale_bits={self.grad_scale_bits}): "
+                             "leave those at their defaults, or spare no parameter")
         if self.hierarchical_gather and not self.quantizes_weights:
             raise ValueError("hierarchical_gather=true changes qwZ's weight gather, which is off: set "
                              "quantized_weights=true (DeepSpeed JSON: zero_optimization.zero_quantized_weights) "
@@ -461,7 +485,8 @@ _DEEPSPEED_KEYS: dict[str, tuple[str, str]] = {
     "zero_optimization.zero_hpz_partition_size": ("zeropp", "hpz_partition_size"),
     "zero_optimization.zero_quantized_gradients": ("zeropp", "quantized_gradients"),
     **{f"zero_optimization.zeropp.{name}": ("zeropp", name) for name in (
-        "block_size", "weight_bits", "weight_code", "unquantized_parameters", "grad_bits_intra", "grad_bits_inter",
+        "block_size", "weight_bits", "weight_code", "unquantized_parameters", "grad_full_precision_parameters",
+        "grad_full_precision_below", "grad_bits_intra", "grad_bits_inter",
         "quantize_intra_node_weights", "error_feedback", "low_bit_trainable_weights", "grad_rotation",
         "grad_rounding", "grad_levels", "grad_block_size", "grad_scale_bits", "overlap", "hierarchical_gather")},
     "bf16.enabled": ("training", "bf16"),

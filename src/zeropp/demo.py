@@ -55,7 +55,8 @@ class DemoConfig:
     """"adamw" (weight decay 0) or "sgd" (momentum 0.9, for how qgZ's error feedback fares without
     Adam's per-coordinate scaling)."""
     corpus: str = "shakespeare"
-    """A corpus of ``zeropp.data.CORPORA``: "shakespeare", or "kjv" (the King James Bible)."""
+    """A corpus of ``zeropp.data.CORPORA``: "shakespeare", "kjv" (the King James Bible) or "mormon"
+    (the Book of Mormon)."""
     eval_every: int = 50
     """Steps between validation losses (and at the last step)."""
     eval_batches: int = 4
@@ -75,6 +76,7 @@ def train(config: DemoConfig, run_dir: Path) -> list[dict]:
     model = GPT(GPTConfig(vocab_size=corpus.vocab_size, context_length=config.context_length,
                           num_layers=config.num_layers, num_heads=config.num_heads,
                           embed_dim=config.embed_dim))
+    perturb_initial_weights(model, MODES[config.mode].initial_weight_noise, config.seed)
     topology = zeropp.Topology.from_env()
     zeropp.shard(model, MODES[config.mode].config(topology.ranks_per_node), topology=topology)
     optimizer = build_optimizer(model, config)
@@ -101,6 +103,20 @@ def train(config: DemoConfig, run_dir: Path) -> list[dict]:
     if rank == 0:
         write_outputs(run_dir, config, records, zeropp.CommLedger.combined(every_rank))
     return records
+
+
+@torch.no_grad()
+def perturb_initial_weights(model: torch.nn.Module, relative_noise: float, seed: int) -> None:
+    """Multiply every weight matrix (parameters of 2 or more dims) by (1 + relative_noise x N(0, 1)),
+    elementwise, with noise drawn from ``seed`` alone, so every rank draws the same
+    (zeropp.modes [Note: perturbation controls]). Nothing changes when ``relative_noise`` is 0."""
+    if relative_noise == 0:
+        return
+    generator = torch.Generator().manual_seed(seed + 7919)  # apart from the init's and the data's streams
+    for parameter in model.parameters():
+        if parameter.dim() >= 2:
+            noise = torch.randn(parameter.shape, generator=generator).to(parameter.device, parameter.dtype)
+            parameter.mul_(noise.mul_(relative_noise).add_(1))
 
 
 @torch.no_grad()

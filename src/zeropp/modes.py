@@ -39,6 +39,9 @@ class Mode:
     """``ZeroPPConfig`` fields, besides hpZ's size."""
     hpz: bool = False
     """hpZ on, over the whole node."""
+    initial_weight_noise: float = 0.0
+    """A control, not a technique: the initial weight matrices are multiplied by (1 + this x
+    N(0, 1)), elementwise, the same on every rank, before sharding ([Note: perturbation controls])."""
     gather_ahead: bool = False
     """The optimizer steps each unit in backward and the next forward's gathers start right after
     (``zeropp.optimizer_in_backward(..., gather_ahead=True)``): the training loop calls no
@@ -53,14 +56,27 @@ class Mode:
         return ZeroPPConfig(**{**self.options, **hpz, **overrides})
 
 
+QWZ_RELATIVE_ERROR = 7.0e-3
+"""The relative RMS error qwZ's INT8 code puts on a Gaussian weight matrix (blocks of 256, absmax
+scaling): a step of absmax/127, an error uniform within half a step (RMS step/sqrt(12)), and the
+absmax of 256 Gaussian values about 3.08 standard deviations (RMS over blocks), so
+3.08 / (127 x 3.46) = 7.0e-3; measured on the demo GPT's initial matrices: 6.8e-3 to 7.2e-3."""
 _ALL = {"quantized_weights": True, "quantized_gradients": True}
 _ROTNORM = {"grad_bits_intra": 8, "grad_rotation": "hadamard", "grad_levels": "normal"}
 """qgZ's lowest-error option with fp32 block scales at DeepSpeed's cross-node bytes."""
 _SCALE8 = {"grad_bits_intra": 8, "grad_levels": "normal", "grad_block_size": 64, "grad_scale_bits": 8}
 """qgZ's lowest-error option on Gaussian gradients: normal levels on blocks of 64 whose scales
 travel in 8 bits, at DeepSpeed's cross-node bytes +0.8% (``zeropp bench qgz-error``)."""
+_SPARE_SMALL = {"grad_full_precision_below": 1024}
+"""qgZ sends the gradients of parameters under 1024 elements unquantized: LayerNorms and most biases
+up to a width of 512 (below 1% of the gradient bytes from a width of 512 up; 5.7% on the demo GPT)."""
 MODES: dict[str, Mode] = {mode.name: mode for mode in (
     Mode(name="zero3", summary="ZeRO-3: FSDP2 with its own collectives (counted)"),
+    Mode(name="zero3_init", summary="control: ZeRO-3 from initial weights perturbed by qwZ's relative error",
+         initial_weight_noise=QWZ_RELATIVE_ERROR),
+    Mode(name="zero3_order", summary="control: ZeRO-3 whose gradient sums run in another fp32 order "
+         "(qgZ's two hops, nothing quantized)",
+         options={"quantized_gradients": True, "grad_full_precision_parameters": ("*",)}),
     Mode(name="hsdp", summary="FSDP2 hybrid sharding (replicate across nodes)", system=System.HSDP),
     Mode(name="deepspeed", summary="DeepSpeed ZeRO-3", system=System.DEEPSPEED),
     Mode(name="qwz", summary="qwZ: INT8 weight all-gather", options={"quantized_weights": True}),
@@ -96,7 +112,11 @@ MODES: dict[str, Mode] = {mode.name: mode for mode in (
          "with 8-bit scales", options={"quantized_gradients": True, **_SCALE8}),
     Mode(name="qgz_block32", summary="qgZ with 32-element blocks",
          options={"quantized_gradients": True, "block_size": 32}),
+    Mode(name="qgz_spare", summary="qgZ, parameters under 1024 elements in full precision",
+         options={"quantized_gradients": True, **_SPARE_SMALL}),
     Mode(name="all", summary="qwZ + hpZ + qgZ", options=_ALL, hpz=True),
+    Mode(name="all_spare", summary="all three, qgZ sparing parameters under 1024 elements",
+         options={**_ALL, **_SPARE_SMALL}, hpz=True),
     Mode(name="all_ef", summary="all three, qgZ with error feedback", options={**_ALL, "error_feedback": True},
          hpz=True),
     Mode(name="all_int8_intra", summary="all three, qgZ INT8 intra-node hop",
@@ -116,7 +136,17 @@ MODES: dict[str, Mode] = {mode.name: mode for mode in (
          summary="all_overlap, each unit's optimizer step in backward, its next gather started there",
          options={**_ALL, "overlap": True}, hpz=True, gather_ahead=True),
 )}
-"""Every mode by name. ``zero3`` is the baseline every comparison is made against."""
+"""Every mode by name. ``zero3`` is the baseline every comparison is made against.
+
+[Note: perturbation controls]
+Two short trainings from the same start on the same batches drift apart after any perturbation,
+however harmless, and their final losses differ by that drift. So a technique's delta against
+ZeRO-3 on one seed holds its cost and the drift together; the controls measure the drift alone,
+with perturbations that cost nothing in expectation: ``zero3_init`` multiplies the initial weight
+matrices by (1 + QWZ_RELATIVE_ERROR x noise) once (1-D parameters, LayerNorms and biases, start
+at exact values that qwZ codes exactly, so they are left alone); ``zero3_order`` sums the
+gradients in another fp32 order (qgZ's two hops with every gradient unquantized), the smallest
+perturbation there is. ``zeropp converge`` compares each technique's paired delta with theirs."""
 
 BASELINE = "zero3"
 

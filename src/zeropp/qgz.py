@@ -11,7 +11,9 @@ by its factor (``comms`` [Note: the reductions FSDP2 asks for]).
 
 from __future__ import annotations
 
+import fnmatch
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +24,15 @@ from zeropp.comms import LateReduceScatter, Reduction, all_to_all, nbytes, reduc
 from zeropp.gradcode import GradientCode
 from zeropp.ledger import CommLedger
 from zeropp.topology import ProcessGroups
+
+
+def full_precision_gradients(names: Sequence[str], shapes: Sequence[torch.Size], patterns: Sequence[str],
+                             below: int) -> list[bool]:
+    """Which parameters' gradients qgZ sends unquantized: those whose name (as the model names
+    them) matches a pattern, or with fewer than ``below`` elements. See [Note: full-precision
+    gradients]."""
+    return [shape.numel() < below or any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+            for name, shape in zip(names, shapes, strict=True)]
 
 
 def intra_node_send_order(num_nodes: int, ranks_per_node: int) -> torch.Tensor:
@@ -80,16 +91,38 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
     the sum in fp32. This halves the codec's work on a 2 x 2 layout (1/D of hop 1, 1/N of hop
     2 in general), sends the same bytes to every peer, and only lowers the error (the bound in
     tests/test_qgz.py leaves those terms out). DeepSpeed quantizes every row, its own included.
+
+    [Note: full-precision gradients]
+    ``full_precision`` marks parameters whose gradients travel unquantized: their slices are raw
+    segments of the same payload (``codec.segments_for``, as qwZ sends its unquantized
+    parameters), so both hops still make one all-to-all each, and their sums are exact up to
+    fp32 summation. Two reasons to spare a parameter. Per element, INT4 costs most where a block
+    holds few elements or a few large ones: a LayerNorm's or a bias's slice of 8 to 64 elements
+    has its own blocks, their scale set by one outlier. And a block code puts an error of up to
+    half a step on entries whose true sum is zero or tiny (a token absent from every rank's
+    batch, a feature no rank used), which Adam's per-coordinate normalisation turns into a
+    full-size update; spared parameters see none. Their bytes: fp32 is 7.8x INT4's with fp32
+    block scales, so sparing 0.1% of the elements adds 0.7% to the gradient bytes. When a chunk
+    is not laid out as the unit's parameters (a parameter got no gradient this step), its
+    parameters cannot be told apart, and the whole chunk travels unquantized if any parameter is
+    spared: exact, never less precise than asked.
     """
 
     technique = "qgZ"
 
     def __init__(self, groups: ProcessGroups, padded_numels: list[int], *, bits_intra: int,
                  bits_inter: int, block_size: int, error_feedback: bool = False,
-                 code: GradientCode | None = None, seed: int = 0, ledger: CommLedger | None = None) -> None:
+                 code: GradientCode | None = None, seed: int = 0, full_precision: Sequence[bool] | None = None,
+                 ledger: CommLedger | None = None) -> None:
         super().__init__(groups.topology, ledger)
         self.groups = groups
         self.padded_numels = padded_numels
+        self.full_precision = list(full_precision) if full_precision is not None else [False] * len(padded_numels)
+        """Per parameter of ``padded_numels``: its gradient travels unquantized ([Note: full-precision
+        gradients])."""
+        if len(self.full_precision) != len(padded_numels):
+            raise ValueError(f"full_precision has {len(self.full_precision)} flags for {len(padded_numels)} "
+                             "parameters; give one per entry of padded_numels")
         self.bits_intra, self.bits_inter, self.block_size = bits_intra, bits_inter, block_size
         self.error_feedback = error_feedback
         self.code = code if code is not None else GradientCode()
@@ -106,10 +139,11 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
             world_size = self.topology.world_size
             grouped = self.code.grouped_scales
             if sum(self.padded_numels) == chunk_numel * world_size:
-                segments = segments_for(self.padded_numels, [True] * len(self.padded_numels), world_size, bits,
+                quantized = [not spared for spared in self.full_precision]
+                segments = segments_for(self.padded_numels, quantized, world_size, bits, grouped_scales=grouped)
+            else:  # parameters cannot be told apart ([Note: full-precision gradients])
+                segments = segments_for([chunk_numel], [not any(self.full_precision)], 1, bits,
                                         grouped_scales=grouped)
-            else:
-                segments = segments_for([chunk_numel], [True], 1, bits, grouped_scales=grouped)
             self._codecs[key] = ChunkCodec(segments, self.block_size, torch.float32, self.code)
         return self._codecs[key]
 
@@ -207,6 +241,8 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
         in fp32 and never enters the collective, which sends it nothing (see [Note: qgZ own rows]).
         """
         route = self._route(rows.shape[0], group, remap, rows.device)
+        if rows.dtype != torch.float32 and any(segment.bits is None for segment in codec.segments):
+            rows = rows.float()  # spared gradients travel in fp32 ([Note: full-precision gradients])
         if self.error_feedback:
             rows = self._with_residual(hop, rows)
         packed = torch.empty((len(route.sent), codec.nbytes), dtype=torch.uint8, device=rows.device)
@@ -215,7 +251,7 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
             self._keep_residual(hop, rows, route.sent, packed, codec)
         received = torch.empty_like(packed)
         work = all_to_all(received.view(-1), packed.view(-1), [count * codec.nbytes for count in route.rows_from],
-                          group, self.recorder, self.technique, dtype=f"int{codec.segments[0].bits}",
+                          group, self.recorder, self.technique, dtype=_payload_dtype(codec),
                           async_op=async_op)
         return _Exchange(work, received, rows.index_select(0, route.own), route, codec, rows.shape)
 
@@ -240,3 +276,9 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
         rows = chunks.reshape(num_nodes * ranks_per_node, chunk_numel)
         decoded = self._received(self._send(rows, codec, 1, self.groups.intra_node_group, remap=True))
         return decoded.view(ranks_per_node, num_nodes, chunk_numel).sum(dim=0)
+
+
+def _payload_dtype(codec: ChunkCodec) -> str:
+    """The ledger's name for a payload: its code's width, or float32 when nothing in it is quantized."""
+    widths = {segment.bits for segment in codec.segments if segment.bits is not None}
+    return f"int{max(widths)}" if widths else "float32"

@@ -27,15 +27,15 @@ QUANTIZABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def quantized_parameters(layout: UnitLayout, weights: bool, nontrainable_weights: bool,
-                         unquantized: tuple[str, ...] = (), prefix: str = "") -> list[bool]:
+                         unquantized: tuple[str, ...] = ()) -> list[bool]:
     """Which of a unit's parameters qwZ quantizes: every floating-point one (``weights``) or the
-    frozen ones (``nontrainable_weights``), except those whose name (``prefix`` + the name in the
-    unit) matches a pattern of ``unquantized``. Integer and bool parameters travel as they are; a
+    frozen ones (``nontrainable_weights``), except those whose name (``layout.names``: as the
+    model names them) matches a pattern of ``unquantized``. Integer and bool parameters travel as they are; a
     floating-point dtype the codec does not take is refused, naming the parameter."""
     flags = []
     for name, shape, dtype, trainable in zip(layout.names, layout.shapes, layout.gather_dtypes, layout.trainable):
         wanted = weights or (nontrainable_weights and not trainable)
-        wanted = wanted and not any(fnmatch.fnmatchcase(prefix + name, pattern) for pattern in unquantized)
+        wanted = wanted and not any(fnmatch.fnmatchcase(name, pattern) for pattern in unquantized)
         if wanted and dtype.is_floating_point and dtype not in QUANTIZABLE_DTYPES:
             raise ValueError(
                 f"qwZ cannot quantize parameter {name!r} (shape {tuple(shape)}, {dtype}): the codec takes "

@@ -41,7 +41,7 @@ from zeropp.hpz import (
     keep_secondary_as_codes,
     keep_secondary_copies_fresh,
 )
-from zeropp.qgz import HierarchicalQuantizedReduceScatter
+from zeropp.qgz import HierarchicalQuantizedReduceScatter, full_precision_gradients
 from zeropp.qwz import QuantizedAllGather, quantized_parameters
 from zeropp.scalars import replicate_scalars, scalar_parameters
 from zeropp.topology import (
@@ -80,7 +80,7 @@ def shard(
     topology = topology if topology is not None else Topology.from_env()
     _check_layout(topology, agree([*config_view(config, topology), *parameters_view(model)]))
     check_hpz(config.hpz_partition_size, topology)
-    _check_patterns(model, config.unquantized_parameters)
+    _check_patterns(model, config)
     unit_modules = select_units(model, units)
     scalars = scalar_parameters(model)
     groups = build_process_groups(topology, device_type_of(model), config.hpz_partition_size)
@@ -111,7 +111,7 @@ def enable(model: nn.Module, config: ZeroPPConfig | None = None, *, topology: To
     topology = topology if topology is not None else Topology.from_env()
     _check_layout(topology, agree([*config_view(config, topology), *units_view(model)]))
     check_hpz(config.hpz_partition_size, topology)
-    _check_patterns(model, config.unquantized_parameters)
+    _check_patterns(model, config)
     return _enable(model, config, build_process_groups(topology, device_type_of(model), config.hpz_partition_size))
 
 
@@ -153,14 +153,15 @@ def _enable(model: FSDPModule, config: ZeroPPConfig, groups: ProcessGroups) -> n
     return model
 
 
-def _check_patterns(model: nn.Module, patterns: tuple[str, ...]) -> None:
-    """Every pattern of ``unquantized_parameters`` names a parameter (a typo would otherwise
-    quantize what the user meant to keep)."""
+def _check_patterns(model: nn.Module, config: ZeroPPConfig) -> None:
+    """Every pattern of ``unquantized_parameters`` and ``grad_full_precision_parameters`` names a
+    parameter (a typo would otherwise quantize what the user meant to keep)."""
     names = [name for name, _ in model.named_parameters()]
-    for pattern in patterns:
-        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
-            raise ValueError(f"unquantized_parameters pattern {pattern!r} matches no parameter of "
-                             f"{type(model).__name__}; its parameters are named like {names[:3]}")
+    for key in ("unquantized_parameters", "grad_full_precision_parameters"):
+        for pattern in getattr(config, key):
+            if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+                raise ValueError(f"{key} pattern {pattern!r} matches no parameter of "
+                                 f"{type(model).__name__}; its parameters are named like {names[:3]}")
 
 
 _FORWARD_AHEAD = 2
@@ -279,9 +280,14 @@ def _install_comms(module: FSDPModule, groups: ProcessGroups, config: ZeroPPConf
         keep_secondary_as_codes(module, None)
     if config.quantized_gradients:
         trainable = [n for n, t in zip(layout.padded_numels, layout.trainable) if t]
+        spared = full_precision_gradients(
+            [n for n, t in zip(named.names, layout.trainable) if t],
+            [s for s, t in zip(layout.shapes, layout.trainable) if t],
+            config.grad_full_precision_parameters, config.grad_full_precision_below)
         reduce_scatter = HierarchicalQuantizedReduceScatter(
             groups, trainable, bits_intra=config.grad_bits_intra, bits_inter=config.grad_bits_inter,
-            block_size=config.gradient_block_size, error_feedback=config.error_feedback, code=config.gradient_code)
+            block_size=config.gradient_block_size, error_feedback=config.error_feedback, code=config.gradient_code,
+            full_precision=spared)
     else:
         reduce_scatter = CountingReduceScatter(groups.topology)
     if config.overlap:

@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="step: dtype of compute and weight gathers (float32 on CPUs without fast bf16)")
     parser.add_argument("--model", type=_model_shape, default=None, metavar="LAYERSxWIDTH",
                         help="step: the GPT's layers x width (e.g. 4x256; heads: width / 64) instead of 8x512")
+    parser.add_argument("--updates-only", action="store_true",
+                        help="qgz-error: only the errors on zero and tiny entries and on Adam's update "
+                             "(qgz_error_updates.json)")
     parser.add_argument("--no-memory", action="store_true",
                         help="step: skip the per-mode peak-RSS jobs")
     parser.add_argument("--models", type=lambda text: tuple(text.split(",")), default=None,
@@ -47,7 +50,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     elif args.what == "qgz-error":
         from zeropp.bench import qgz_error
 
-        qgz_error.run(out_dir=args.out, quick=args.quick)
+        qgz_error.run(out_dir=args.out, quick=args.quick, updates_only=args.updates_only)
     elif args.what == "export":
         from zeropp.bench import export
 

@@ -31,8 +31,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from zeropp.bench.paired import CONTROL, mean, std, verdict
 from zeropp.cluster.launch import launch_local
-from zeropp.data import CharCorpus
+from zeropp.data import CORPORA, CharCorpus
 from zeropp.demo import DemoConfig, build_optimizer
 from zeropp.jobs import config_flags
 from zeropp.models import GPT, GPTConfig
@@ -105,42 +106,38 @@ def run_seeds(out_dir: str | Path, seeds: Sequence[int], *, runs_dir: str | Path
 
 def seed_statistics(per_seed: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """Per mode run on every seed: each seed's delta against that seed's ZeRO-3 (same data, same
-    initial weights), their mean and sample standard deviation. The noise floor: how much ZeRO-3's
-    own final loss moves from seed to seed (standard deviation, in percent of its mean)."""
+    initial weights), their mean and sample standard deviation, and where the control ``zero3_init``
+    ran, the verdict on each mode's delta minus the control's (zeropp.bench.paired). The noise
+    floor: how much ZeRO-3's own final loss moves from seed to seed (standard deviation, in
+    percent of its mean)."""
     seeds = sorted(per_seed)
     names = [name for name in per_seed[seeds[0]]["modes"] if all(name in per_seed[k]["modes"] for k in seeds)]
     modes = {}
     for name in names:
         deltas = [per_seed[k]["modes"][name]["val_delta_vs_zero3_percent"] for k in seeds]
         losses = [per_seed[k]["modes"][name]["final_val_loss"] for k in seeds]
-        modes[name] = {"deltas_percent": deltas, "mean_percent": _mean(deltas), "std_percent": _std(deltas),
+        modes[name] = {"deltas_percent": deltas, "mean_percent": mean(deltas), "std_percent": std(deltas),
                        "final_val_losses": losses, "zeropp_config": per_seed[seeds[0]]["modes"][name]["zeropp_config"]}
+        if CONTROL in names and name != CONTROL:
+            control = [per_seed[k]["modes"][CONTROL]["val_delta_vs_zero3_percent"] for k in seeds]
+            modes[name]["vs_control"] = verdict([d - c for d, c in zip(deltas, control)])
     baseline = [per_seed[k]["modes"][BASELINE]["final_val_loss"] for k in seeds if BASELINE in per_seed[k]["modes"]]
-    floor = 100 * _std(baseline) / _mean(baseline) if len(baseline) > 1 else None
+    floor = 100 * std(baseline) / mean(baseline) if len(baseline) > 1 else None
     settings = {key: value for key, value in per_seed[seeds[0]]["settings"].items() if key != "seed"}
     return {"settings": settings, "seeds": seeds, "zero3_seed_spread_percent": floor, "modes": modes}
 
 
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values)
-
-
-def _std(values: Sequence[float]) -> float:
-    """Sample standard deviation (0 for one value)."""
-    if len(values) < 2:
-        return 0.0
-    mean = _mean(values)
-    return (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
-
-
 def seeds_table(summary: dict[str, Any]) -> str:
     """Markdown: per mode the mean and standard deviation of its delta against ZeRO-3, and each seed's."""
+    paired = CONTROL in summary["modes"]
     lines = [f"seeds {summary['seeds']}; ZeRO-3's final loss moves {summary['zero3_seed_spread_percent'] or 0:.2f}% "
              "(standard deviation) from seed to seed", "",
-             "| mode | Δ vs ZeRO-3, mean ± std | per seed |", "|---|---:|---|"]
+             "| mode | Δ vs ZeRO-3, mean ± std | per seed |" + (f" minus {CONTROL}'s Δ |" if paired else ""),
+             "|---|---:|---|" + ("---|" if paired else "")]
     for name, entry in summary["modes"].items():
         per_seed = ", ".join(f"{d:+.2f}%" for d in entry["deltas_percent"])
-        lines.append(f"| {name} | {entry['mean_percent']:+.2f}% ± {entry['std_percent']:.2f} | {per_seed} |")
+        against = f" {entry['vs_control']['text'] if 'vs_control' in entry else '—'} |" if paired else ""
+        lines.append(f"| {name} | {entry['mean_percent']:+.2f}% ± {entry['std_percent']:.2f} | {per_seed} |{against}")
     return "\n".join(lines)
 
 
@@ -324,12 +321,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=lambda text: [int(k) for k in text.split(",")], default=None,
                         help="comma-separated: one run per seed under <out>/seed_<k>, then the mean and standard "
                              "deviation of each mode's delta (<out>/converge_seeds.json); replaces --seed")
-    parser.add_argument("--corpus", default="shakespeare", choices=["shakespeare", "kjv"],
-                        help="training text (kjv: the King James Bible, which nothing here was tuned on)")
+    parser.add_argument("--corpus", default="shakespeare", choices=list(CORPORA),
+                        help="training text (kjv: the King James Bible, mormon: the Book of Mormon; nothing here "
+                             "was tuned on either)")
+    parser.add_argument("--model", type=_model_shape, default=None, metavar="LAYERSxWIDTH",
+                        help="the GPT's layers x width (heads: width / 32), e.g. 6x192; default the demo's 4x128")
     parser.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"],
                         help="sgd: momentum 0.9 (give --lr; the default 1e-3 suits AdamW)")
     parser.add_argument("--lr", type=float, default=TRAINING["lr"])
     parser.set_defaults(func=run_from_args)
+
+
+def _model_shape(text: str) -> dict[str, int]:
+    """``6x192`` -> the demo's shape fields (one head per 32 of width, at least one)."""
+    layers, _, width = text.partition("x")
+    if not (layers.isdigit() and width.isdigit()) or int(layers) < 1 or int(width) < 1:
+        raise argparse.ArgumentTypeError(f"--model {text!r} must be LAYERSxWIDTH with positive integers, e.g. 6x192")
+    return {"num_layers": int(layers), "embed_dim": int(width), "num_heads": max(1, int(width) // 32)}
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -337,7 +345,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     options = dict(steps=args.steps, modes=parse_modes(args.modes, zeropp_modes()), eval_every=args.eval_every,
                    eval_batches=args.eval_batches, num_nodes=args.nodes, ranks_per_node=args.ranks_per_node,
                    reference=not args.no_reference, runs_dir=args.runs, corpus=args.corpus,
-                   optimizer=args.optimizer, lr=args.lr)
+                   optimizer=args.optimizer, lr=args.lr, **(args.model or {}))
     if args.seeds is not None:
         run_seeds(args.out, args.seeds, **options)
     else:

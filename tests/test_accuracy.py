@@ -1,0 +1,112 @@
+"""``zeropp accuracy``: the perturbation controls and the paired verdict, checked without training."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zeropp.bench import accuracy, paired
+from zeropp.demo import perturb_initial_weights
+from zeropp.models import GPT, GPTConfig
+from zeropp.modes import MODES, QWZ_RELATIVE_ERROR
+from zeropp.qgz import full_precision_gradients
+from zeropp.quant import dequantize, quantize
+
+
+def _gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=65))
+
+
+def test_init_control_matches_qwz_relative_error() -> None:
+    """``zero3_init`` perturbs each weight matrix by about as much, relatively, as qwZ's INT8
+    round trip does (the constant's derivation), the same on every rank (a function of the
+    seed), and leaves LayerNorms and biases, which qwZ codes exactly at init, alone."""
+    assert MODES["zero3_init"].initial_weight_noise == QWZ_RELATIVE_ERROR
+    model, again, before = _gpt(), _gpt(), _gpt()
+    perturb_initial_weights(model, QWZ_RELATIVE_ERROR, seed=3)
+    perturb_initial_weights(again, QWZ_RELATIVE_ERROR, seed=3)
+    for (name, p), q, original in zip(model.named_parameters(), again.parameters(), before.parameters()):
+        assert torch.equal(p, q), name
+        if p.dim() < 2:
+            assert torch.equal(p, original), name
+            continue
+        relative = ((p - original).norm() / original.norm()).item()
+        flat = original.detach().flatten()
+        data, scales = quantize(flat, 8, 256)
+        qwz = ((dequantize(data, scales, 8, 256, flat.numel(), torch.float32) - flat).norm() / flat.norm()).item()
+        assert relative == pytest.approx(QWZ_RELATIVE_ERROR, rel=0.1), name
+        assert qwz == pytest.approx(QWZ_RELATIVE_ERROR, rel=0.1), name
+
+
+def test_order_control_spares_every_gradient() -> None:
+    """``zero3_order`` is qgZ with nothing quantized: only the summation order differs from ZeRO-3."""
+    config = MODES["zero3_order"].config(ranks_per_node=2)
+    assert config.quantized_gradients and config.grad_full_precision_parameters == ("*",)
+    assert not config.quantized_weights and config.hpz_partition_size == 1
+
+
+def test_full_precision_gradients_by_pattern_and_size() -> None:
+    names = ["blocks.0.ln_1.weight", "blocks.0.attn.qkv.weight", "blocks.0.attn.qkv.bias", "blocks.0.mlp.fc.weight"]
+    shapes = [torch.Size([128]), torch.Size([384, 128]), torch.Size([384]), torch.Size([512, 128])]
+    assert full_precision_gradients(names, shapes, (), 1024) == [True, False, True, False]
+    assert full_precision_gradients(names, shapes, ("blocks.0.*.qkv.*",), 0) == [
+        False, True, True, False]
+    assert full_precision_gradients(names, shapes, (), 0) == [False] * 4
+
+
+def _results(losses: dict[str, float]) -> dict:
+    return {"settings": {"steps": 10, "seed": 0}, "modes": {name: {"final_val_loss": loss}
+                                                            for name, loss in losses.items()}}
+
+
+def test_verdict_pairs_each_seed_with_its_control() -> None:
+    """Deltas in percent of the same seed's ZeRO-3; the verdict on mode minus control per seed,
+    with Student's t interval (4 degrees of freedom for 5 seeds)."""
+    per_seed = {seed: _results({"zero3": 2.0, "zero3_init": 2.0 * (1 + c / 100), "all": 2.0 * (1 + d / 100)})
+                for seed, (c, d) in enumerate([(0.1, 1.1), (-0.2, 0.8), (0.0, 1.0), (0.3, 1.3), (-0.2, 0.8)])}
+    cell = accuracy.cell_verdict(per_seed)
+    entry = cell["modes"]["all"]
+    assert entry["deltas_percent"][3] == pytest.approx(1.3)
+    assert entry["vs_control"]["differences_percent"] == pytest.approx([1.0] * 5)
+    assert entry["vs_control"]["interval_percent"] == pytest.approx([1.0, 1.0])
+    assert entry["vs_control"]["text"].startswith("costs 1.00% ± 0.00")
+    noisy = paired.verdict([0.5, -0.3, 0.2, -0.4, 0.1])
+    half = 2.776 * noisy["standard_error_percent"]  # t(0.975, 4 degrees of freedom)
+    assert noisy["interval_percent"] == pytest.approx([0.02 - half, 0.02 + half])
+    assert noisy["text"].startswith("indistinguishable from noise")
+    assert paired.verdict([-1.0, -1.2, -0.8])["text"].startswith("better than the control by 1.00%")
+    assert paired.verdict([0.4])["text"] == "too few seeds"
+
+
+def test_pooled_verdict_takes_every_cell_and_seed() -> None:
+    cells = {name: accuracy.cell_verdict({seed: _results({"zero3": 2.0, "zero3_init": 2.0, "all": 2.0 * (1 + d)})
+                                          for seed, d in enumerate(values)})
+             for name, values in {"a": [0.01, 0.02], "b": [0.0, 0.01, 0.02]}.items()}
+    pooled = accuracy.pooled_verdict(cells)["all"]
+    assert pooled["vs_control"]["n"] == 5 and pooled["vs_control"]["mean_percent"] == pytest.approx(1.2)
+    assert pooled["delta_alone"]["differences_percent"] == pytest.approx([1.0, 2.0, 0.0, 1.0, 2.0])
+
+
+def test_update_metrics_see_what_a_code_does_to_zero_entries() -> None:
+    """On a stream whose every rank's gradient is zero at the same entries (scattered through
+    blocks of nonzero ones), the plain code keeps them zero (round to nearest has a zero level),
+    normal levels (no zero level) do not, and Adam turns what they put there into real steps;
+    a spared parameter is exact, so only the quantized one's error remains."""
+    from zeropp.bench import qgz_updates
+    from zeropp.bench.qgz_error import OPTIONS
+
+    world_size, numels = 4, [512, 4096]
+    generator = torch.Generator().manual_seed(0)
+    stream = []
+    for _ in range(3):
+        gradients = torch.randn(world_size, world_size, sum(numels) // world_size, generator=generator)
+        gradients[..., 200:] *= (torch.arange(gradients.shape[-1] - 200) % 3 != 0)  # every third entry zero
+        stream.append(gradients)
+    plain = qgz_updates.measure(stream, numels, 2, qgz_updates.Case((4, 4), OPTIONS["plain"]))
+    normal = qgz_updates.measure(stream, numels, 2, qgz_updates.Case((8, 4), OPTIONS["normal+scale8"]))
+    spared = qgz_updates.measure(stream, numels, 2, qgz_updates.Case((4, 4), OPTIONS["plain"], spare_below=1024))
+    assert plain["zero_entries"] == normal["zero_entries"] > 1000
+    assert plain["zero_error"] == 0 and plain["zero_update"] == 0
+    assert normal["zero_error"] > 0.01 and normal["zero_update"] > 0.1
+    assert 0 < spared["relative_rms"] < plain["relative_rms"]
