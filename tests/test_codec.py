@@ -108,12 +108,22 @@ def test_byte_mode_codes_each_segment_in_its_own_dtype() -> None:
         ChunkCodec([Segment(4, 8, torch.float32), Segment(4, 8)], 32, torch.uint8)
 
 
-@pytest.mark.parametrize("byte_mode", [False, True])
-def test_decode_regrouped_lays_out_the_chunks_of_a_coarser_split(byte_mode: bool) -> None:
+@pytest.mark.parametrize("byte_mode,kernel", [(False, "auto"), (False, "torch"), (True, "auto")])
+def test_regrouped_codec_decodes_the_chunks_of_a_coarser_split(byte_mode: bool, kernel: str) -> None:
     """A unit of three parameters (padded numels 24, 8, 16; the middle one raw) split over 8
-    ranks, decoded into the same unit split over 2 (FSDP2's layout for hpZ's group of 2): row i
-    is, parameter by parameter, that parameter's decoded slices of ranks 4i .. 4i + 3, equal to
-    decoding the 8 rows and regrouping them by hand; split over 8 again it is ``decode``."""
+    ranks, as 2 chunks of 4 ranks' each (FSDP2's layout for hpZ's group of 2): the payload rows
+    of ranks 4i .. 4i + 3 regrouped decode, with the regrouped codec, to row i = parameter by
+    parameter that parameter's decoded slices of those ranks, bit for bit what decoding the 8
+    rows and regrouping the values by hand gives (the C kernels, and the torch path); the
+    regrouped codec's bytes are the rows'."""
+    previous = quant.set_kernel(kernel)
+    try:
+        _check_regrouped(byte_mode)
+    finally:
+        quant.set_kernel(previous)
+
+
+def _check_regrouped(byte_mode: bool) -> None:
     g = torch.Generator().manual_seed(0)
     dtypes = [torch.bfloat16, torch.float32, torch.float16] if byte_mode else [torch.float32] * 3
     params = [torch.randn(n, generator=g).to(dtype) for n, dtype in zip((24, 8, 16), dtypes)]
@@ -129,14 +139,13 @@ def test_decode_regrouped_lays_out_the_chunks_of_a_coarser_split(byte_mode: bool
     decoded = torch.empty_like(chunks)
     codec.decode(packed, decoded)
     lengths = [raw(p.view(8, -1)[0]).numel() for p in params]
-    by_param = [piece.reshape(2, -1) for piece in decoded.split(lengths, dim=1)]  # each parameter's 2 halves
-    expected = torch.cat(by_param, dim=1)
-    regrouped = torch.empty_like(expected)
-    codec.decode_regrouped(packed, regrouped)
-    assert torch.equal(regrouped, expected)
-    same = torch.empty_like(decoded)
-    codec.decode_regrouped(packed, same)
-    assert torch.equal(same, decoded)
+    expected = torch.cat([piece.reshape(2, -1) for piece in decoded.split(lengths, dim=1)], dim=1)
+    regrouped = codec.regrouped(4)
+    rows = torch.cat([codec.regroup_payload(group) for group in packed.split(4)])
+    assert rows.shape == (2, regrouped.nbytes) and regrouped.numel == 4 * codec.numel
+    out = torch.empty_like(expected)
+    regrouped.decode(rows, out)
+    assert torch.equal(out, expected)
 
 
 def _random_layouts(count: int) -> list[tuple[list[Segment], int, torch.dtype, int]]:

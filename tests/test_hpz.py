@@ -332,7 +332,6 @@ def _codes_worker(rank: int, world_size: int, settings: tuple[str, ...]) -> dict
     return results
 
 
-@pytest.mark.slow
 def test_secondary_copy_as_codes_trains_bit_identically_at_a_fraction_of_the_bytes() -> None:
     """All three on 2x2 (hpZ=2), the secondary copy kept as qwZ's codes against FSDP2's decoded
     copy: losses and parameters equal bit for bit after 3 steps in every setting (the two-hop

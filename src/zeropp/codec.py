@@ -156,24 +156,20 @@ class ChunkCodec:
         else:
             self.decode_segments(packed, out)
 
-    def decode_regrouped(self, packed: Tensor, out: Tensor) -> None:
-        """Decode the packed rows of a buffer split into ``len(packed)`` chunks into the rows of
-        ``out``, the same buffer split into ``len(out)`` chunks (a divisor): row i of ``out`` is,
-        segment by segment, that segment's slices of the packed rows i*m .. (i+1)*m - 1 (m =
-        ``len(packed) // len(out)``) one after the other. FSDP2 lays out a unit split over hpZ's
-        h ranks so, from the chunks of the world's S ranks ([Note: hpZ's copy as qwZ's codes]
-        in ``zeropp.hpz``). Each group of m rows is decoded, then its slices moved in place."""
-        rows_per_chunk = len(packed) // len(out)
-        if rows_per_chunk == 1:
-            self.decode(packed, out)
-            return
-        lengths = [length for _, length, _, _ in self._spans]
-        decoded = torch.empty((rows_per_chunk, self.numel), dtype=out.dtype, device=out.device)
-        for rows, target in zip(packed.split(rows_per_chunk), out):
-            self.decode(rows, decoded)
-            slices = [piece.view(rows_per_chunk, length)
-                      for piece, length in zip(target.split([rows_per_chunk * n for n in lengths]), lengths)]
-            torch._foreach_copy_(slices, decoded.split(lengths, dim=1))
+    def regrouped(self, rows_per_chunk: int) -> ChunkCodec:
+        """The codec of chunks that each join ``rows_per_chunk`` consecutive chunks of this one
+        segment by segment: each segment's slices of those chunks, one after the other. FSDP2
+        lays out a unit split over hpZ's h ranks so, from the chunks of the S ranks it is
+        sharded over (``rows_per_chunk`` = S/h; [Note: hpZ's copy as qwZ's codes] in
+        ``zeropp.hpz``). Its payload is ``regroup_payload`` of theirs: the same codes, so it
+        decodes to the same values."""
+        return ChunkCodec([s for s in self.segments for _ in range(rows_per_chunk)], self.block_size, self.dtype)
+
+    def regroup_payload(self, packed: Tensor) -> Tensor:
+        """Packed rows (m, nbytes) of consecutive chunks as one packed row (1, m * nbytes) of
+        ``regrouped(m)``: each segment's bytes of every row, one after the other."""
+        spans = [_round_up(nbytes, _ALIGN) for _, _, _, nbytes in self._spans]
+        return torch.cat([piece.reshape(1, -1) for piece in packed.split(spans, dim=1)], dim=1)
 
     def encode_segments(self, chunks: Tensor, out: Tensor) -> None:
         """``encode``, one segment at a time (the reference the one-pass codec is tested against)."""

@@ -37,6 +37,7 @@ from zeropp._fsdp import (
     unit_layout,
     unsharded_bytes_held,
 )
+from zeropp.codec import ChunkCodec
 from zeropp.topology import Topology
 
 GENERATION_COPIES = ("node", "full")
@@ -129,10 +130,12 @@ class CodedSecondaryCopy:
     i*S/h .. (i+1)*S/h - 1. So it keeps those S/h payload rows instead (codes and block
     scales; the parameters qwZ leaves unquantized ride in them in their own dtype): about half
     the bytes of a bf16 copy and a quarter of an fp32 one at 8 bits, and lossless, since
-    decoding them again gives the same bits. The backward's gather inside the node sends these
-    rows (h ranks x S/h rows = all S rows, in world order) and decodes them into the unit's
-    weights in FSDP2's layout of h chunks (``ChunkCodec.decode_regrouped``): half the bytes
-    of a full-precision bf16 gather, and weights bit-identical to the forward's.
+    decoding them again gives the same bits. The rows are kept regrouped parameter by
+    parameter (``ChunkCodec.regroup_payload``), as FSDP2 lays out the unit's chunk over h ranks
+    (each parameter's 1/h slice whole), so the backward's gather inside the node sends them
+    and decodes what it receives straight into FSDP2's output (``ChunkCodec.regrouped``):
+    half the bytes of a full-precision bf16 gather, the decode the forward's gather does, and
+    weights bit-identical to the forward's.
 
     FSDP2 still makes its copy when it reshards after forward (a clone of this rank's slice of
     the gathered weights, one unit at a time); right after, the rows the forward gather
@@ -149,20 +152,23 @@ class CodedSecondaryCopy:
         self.unit = unit
         self.group_size, self.partition_size = group_size, partition_size
         """Ranks the unit is sharded over (S), and in its hpZ group (h)."""
-        self.copy_bytes = group_size // partition_size * row_bytes
-        """Bytes of the copy while held: S/h payload rows."""
-        self._first_row = secondary_shard_rank(unit) * (group_size // partition_size)
+        self.rows_per_copy = group_size // partition_size
+        """The S/h payload rows of the forward's gather the copy is made of."""
+        self.copy_bytes = self.rows_per_copy * row_bytes
+        """Bytes of the copy while held."""
+        self._first_row = secondary_shard_rank(unit) * self.rows_per_copy
         self.enabled = True
         """False: keep FSDP2's decoded copy (``keep_decoded_secondary_copies``)."""
         self._arrived: torch.Tensor | None = None
         self._held: torch.Tensor | None = None
         then_after_forward(unit, self._after_forward)
 
-    def received(self, rows: torch.Tensor) -> None:
-        """The payload rows (S, row bytes, rank order) a forward gather of the unit decoded:
-        keep this rank's secondary rows until FSDP2 reshards the unit."""
+    def received(self, rows: torch.Tensor, codec: ChunkCodec) -> None:
+        """The payload rows (S, row bytes, rank order) of ``codec`` a forward gather of the unit
+        decoded: keep this rank's secondary rows, regrouped, until FSDP2 reshards the unit."""
         if self.enabled and len(rows) == self.group_size and not in_backward():
-            self._arrived = rows[self._first_row:self._first_row + self.group_size // self.partition_size].clone()
+            mine = rows[self._first_row:self._first_row + self.rows_per_copy]
+            self._arrived = codec.regroup_payload(mine)
 
     def _after_forward(self) -> None:
         arrived, self._arrived = self._arrived, None
@@ -170,8 +176,9 @@ class CodedSecondaryCopy:
             self._held = arrived
 
     def take(self, group_size: int) -> torch.Tensor | None:
-        """The rows to send for a gather over ``group_size`` ranks, if it is the gather from the
-        secondary copy and the copy is held; a forward's gather keeps them for the next copy."""
+        """The copy to send (one regrouped payload row) for a gather over ``group_size`` ranks,
+        if it is the gather from the secondary copy and the copy is held; a forward's gather
+        keeps it for the next copy."""
         if group_size != self.partition_size or group_size == self.group_size:
             return None
         held, self._held = self._held, None

@@ -90,6 +90,7 @@ class QuantizedAllGather(RecordedComm, GatherAhead, AllGather):
         self.quantize_intra_node = quantize_intra_node
         self.secondary_codes: CodedSecondaryCopy | None = None
         self._codecs: dict[tuple[int, torch.dtype], ChunkCodec] = {}
+        self._regrouped: dict[tuple[int, torch.dtype, int], ChunkCodec] = {}
 
     def codec(self, group_size: int, dtype: torch.dtype) -> ChunkCodec:
         """The codec of one chunk when the unit's parameters are split over ``group_size`` ranks."""
@@ -132,23 +133,31 @@ class QuantizedAllGather(RecordedComm, GatherAhead, AllGather):
         """Decode every rank's payload row into the output, and hand the rows to hpZ's copy."""
         codec.decode(received, output_tensor.view(len(received), -1))
         if self.secondary_codes is not None:
-            self.secondary_codes.received(received)
+            self.secondary_codes.received(received, codec)
 
     def _gather_codes(self, codes: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                       group_size: int, async_op: bool) -> Started:
-        """The gather from hpZ's copy kept as payload rows: each rank sends its rows, and the
-        group's rows (every rank's of the unit's shard group, in rank order) are decoded into
-        FSDP2's layout over ``group_size`` ranks ([Note: hpZ's copy as qwZ's codes]). FSDP2's
-        input (built from placeholders) is not read."""
-        codec = self.codec(len(codes) * group_size, input_tensor.dtype)
-        if codec.numel * len(codes) != input_tensor.numel():
-            raise RuntimeError(f"hpZ's gather from codes got a chunk of {input_tensor.numel()} elements, but its "
-                               f"{len(codes)} payload rows decode to {codec.numel * len(codes)}")
-        received = torch.empty((len(codes) * group_size, codec.nbytes), dtype=torch.uint8, device=codes.device)
+        """The gather from hpZ's copy kept as codes: each rank sends its regrouped payload row,
+        and the group's rows decode straight into FSDP2's layout over ``group_size`` ranks
+        ([Note: hpZ's copy as qwZ's codes]). FSDP2's input (built from placeholders) is not read."""
+        copy = self.secondary_codes
+        codec = self.regrouped_codec(copy.group_size, copy.rows_per_copy, input_tensor.dtype)
+        if codec.numel != input_tensor.numel() or codec.nbytes != codes.numel():
+            raise RuntimeError(f"hpZ's gather from codes got a chunk of {input_tensor.numel()} elements and "
+                               f"{codes.numel()} bytes of codes; the unit's codes make {codec.numel} elements and "
+                               f"{codec.nbytes} bytes")
+        received = torch.empty((group_size, codec.nbytes), dtype=torch.uint8, device=codes.device)
         work = all_gather(received.view(-1), codes.view(-1), group, self.recorder, "hpZ", dtype=f"int{self.bits}",
                           async_op=async_op)
-        return work, Completion(received, lambda output: codec.decode_regrouped(received,
-                                                                                output.view(group_size, -1)))
+        return work, Completion(received, lambda output: codec.decode(received, output.view(group_size, -1)))
+
+    def regrouped_codec(self, group_size: int, rows_per_chunk: int, dtype: torch.dtype) -> ChunkCodec:
+        """The codec of chunks joining ``rows_per_chunk`` of the chunks over ``group_size`` ranks
+        (``ChunkCodec.regrouped``): hpZ's copy as codes."""
+        key = (group_size, dtype, rows_per_chunk)
+        if key not in self._regrouped:
+            self._regrouped[key] = self.codec(group_size, dtype).regrouped(rows_per_chunk)
+        return self._regrouped[key]
 
     def _gather_in_two_hops(self, send: torch.Tensor, codec: ChunkCodec, async_op: bool) -> Started:
         """The world gather across nodes, then inside the node: see [Note: two-hop gather]. The
