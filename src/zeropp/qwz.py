@@ -12,6 +12,7 @@ intra-node group sends the chunk in full precision unless asked.
 from __future__ import annotations
 
 import fnmatch
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -19,9 +20,11 @@ import torch.distributed as dist
 from zeropp._fsdp import AllGather, UnitLayout
 from zeropp.codec import ChunkCodec, segments_for
 from zeropp.comms import Completion, GatherAhead, RecordedComm, Started, all_gather, buffered
-from zeropp.hpz import CodedSecondaryCopy
 from zeropp.ledger import CommLedger, GroupKind
 from zeropp.topology import ProcessGroups, Topology
+
+if TYPE_CHECKING:
+    from zeropp.hpz import CodedSecondaryCopy
 
 QUANTIZABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
