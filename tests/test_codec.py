@@ -108,6 +108,46 @@ def test_byte_mode_codes_each_segment_in_its_own_dtype() -> None:
         ChunkCodec([Segment(4, 8, torch.float32), Segment(4, 8)], 32, torch.uint8)
 
 
+@pytest.mark.parametrize("byte_mode,kernel", [(False, "auto"), (False, "torch"), (True, "auto")])
+def test_regrouped_codec_decodes_the_chunks_of_a_coarser_split(byte_mode: bool, kernel: str) -> None:
+    """A unit of three parameters (padded numels 24, 8, 16; the middle one raw) split over 8
+    ranks, as 2 chunks of 4 ranks' each (FSDP2's layout for hpZ's group of 2): the payload rows
+    of ranks 4i .. 4i + 3 regrouped decode, with the regrouped codec, to row i = parameter by
+    parameter that parameter's decoded slices of those ranks, bit for bit what decoding the 8
+    rows and regrouping the values by hand gives (the C kernels, and the torch path); the
+    regrouped codec's bytes are the rows'."""
+    previous = quant.set_kernel(kernel)
+    try:
+        _check_regrouped(byte_mode)
+    finally:
+        quant.set_kernel(previous)
+
+
+def _check_regrouped(byte_mode: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    dtypes = [torch.bfloat16, torch.float32, torch.float16] if byte_mode else [torch.float32] * 3
+    params = [torch.randn(n, generator=g).to(dtype) for n, dtype in zip((24, 8, 16), dtypes)]
+    segments = segments_for([24, 8, 16], [True, False, True], 8, 8, dtypes if byte_mode else None)
+    codec = ChunkCodec(segments, block_size=32, dtype=torch.uint8 if byte_mode else torch.float32)
+
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.uint8) if byte_mode else t
+
+    chunks = torch.stack([torch.cat([raw(p.view(8, -1)[rank]) for p in params]) for rank in range(8)])
+    packed = torch.empty(8, codec.nbytes, dtype=torch.uint8)
+    codec.encode(chunks, packed)
+    decoded = torch.empty_like(chunks)
+    codec.decode(packed, decoded)
+    lengths = [raw(p.view(8, -1)[0]).numel() for p in params]
+    expected = torch.cat([piece.reshape(2, -1) for piece in decoded.split(lengths, dim=1)], dim=1)
+    regrouped = codec.regrouped(4)
+    rows = torch.cat([codec.regroup_payload(group) for group in packed.split(4)])
+    assert rows.shape == (2, regrouped.nbytes) and regrouped.numel == 4 * codec.numel
+    out = torch.empty_like(expected)
+    regrouped.decode(rows, out)
+    assert torch.equal(out, expected)
+
+
 def _random_layouts(count: int) -> list[tuple[list[Segment], int, torch.dtype, int]]:
     """Chunk layouts that exercise the one-pass codec: empty, tiny, block-aligned and ragged
     segments, raw ones between quantized ones, every code width, every input dtype."""

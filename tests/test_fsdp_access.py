@@ -103,11 +103,45 @@ def _read_after_division() -> dict[str, bool]:
     return result
 
 
+class MixedBlock(nn.Module):
+    """An fp32 weight beside a frozen bf16 bias: FSDP2 gathers the unit as bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(6, 6) / 6)
+        self.bias = nn.Parameter(torch.randn(6).to(torch.bfloat16), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.weight.t() + self.bias.float())
+
+
+def _released_secondary() -> dict:
+    """hpZ's secondary shards over a forward and its backward with qwZ (released after forward,
+    [Note: hpZ's copy as qwZ's codes]), for a unit of one dtype and one gathered as bytes."""
+    from zeropp._fsdp import secondary_bytes_held, secondary_released
+    from zeropp.hpz import held_secondary_copy_bytes, secondary_copy_bytes
+
+    torch.manual_seed(0)
+    result = {}
+    for kind, block in (("one dtype", lambda: nn.Sequential(nn.Linear(6, 6), nn.Tanh())), ("bytes", MixedBlock)):
+        model = nn.Sequential(*(block() for _ in range(2)))
+        zeropp.shard(model, zeropp.ZeroPPConfig(quantized_weights=True, hpz_partition_size=2), units=list(model))
+        units = list(model)
+        loss = model(torch.randn(3, 6)).sum()
+        after_forward = ([secondary_released(u) for u in units], secondary_bytes_held(units),
+                         held_secondary_copy_bytes(model), secondary_copy_bytes(model))
+        loss.backward()
+        result[kind] = {"after_forward": after_forward,
+                        "after_backward": ([secondary_released(u) for u in units], held_secondary_copy_bytes(model))}
+    return result
+
+
 def _fsdp_state_worker(rank: int, world_size: int) -> dict:
     """What the tests of this file read from a process group, from one set of processes (two
     nodes of two ranks): spawning costs more than the checks."""
     return {"layouts": {reshard: _layout(reshard) for reshard in (True, 2)},
-            "read_after_backward": _read_after_backward(), "sharded_comms": _sharded_comms()}
+            "read_after_backward": _read_after_backward(), "sharded_comms": _sharded_comms(),
+            "released_secondary": _released_secondary()}
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +222,16 @@ def _sharded_comms() -> dict:
                   zeropp.sharded_comms(plain).qgz),
         "stranger": (zeropp.sharded_comms(stranger).all_gathers, zeropp.sharded_comms(stranger).qgz),
     }
+
+
+def test_secondary_shards_are_released_after_forward_and_gone_after_backward(fsdp_state: dict) -> None:
+    """With qwZ and hpZ each unit's secondary shards are released after forward (FSDP2 holds
+    placeholders, no bytes), in a unit of one dtype and in one FSDP2 gathers as bytes; the
+    codes held are the copy; after backward nothing is released or held."""
+    for kind, result in fsdp_state["released_secondary"].items():
+        released, fsdp_bytes, held, copy = result["after_forward"]
+        assert released == [True, True] and fsdp_bytes == 0 and held == copy > 0, kind
+        assert result["after_backward"] == ([False, False], 0), kind
 
 
 def test_shard_records_the_comms_it_installs(fsdp_state: dict) -> None:

@@ -247,3 +247,111 @@ def test_hpz_never_uses_stale_weights() -> None:
         assert len(checks) == 7
         for tag, error in checks.items():
             assert error <= 1e-5, (tag, error)
+
+
+def _train_codes_or_decoded(rank: int, world_size: int, setting: str, decoded: bool) -> dict:
+    """Train one setting of [Note: hpZ's copy as qwZ's codes] with the copy as codes (default) or
+    as FSDP2's decoded weights; report what the comparison needs."""
+    from test_real_models import AdaptedStack
+    from zeropp.hpz import held_secondary_copy_bytes, keep_decoded_secondary_copies
+
+    options = {"block_size": 32}
+    units = None
+    if setting == "mixed":  # bf16 base and fp32 adapters in one unit, gathered as bytes; lora_b raw
+        torch.manual_seed(0)
+        model = AdaptedStack(torch.bfloat16)
+        options["unquantized_parameters"] = ("*lora_b",)
+    elif setting == "probe":  # a unit called twice, parameters smaller than the world, checkpointing
+        torch.manual_seed(0)
+        model = Probe(checkpointing=True)
+        units = _units(model)
+    else:
+        model = make_model("gpt")
+    if setting == "bf16_overlap":
+        options.update(param_dtype=torch.bfloat16, overlap=True)
+    if setting == "two_hop_int4":  # the forward gather across nodes then inside them; 4-bit asymmetric code
+        options.update(hierarchical_gather=True, weight_bits=4, weight_code="asymmetric")
+    config = zeropp.ZeroPPConfig(quantized_weights=True, quantized_gradients=True, hpz_partition_size=2, **options)
+    zeropp.shard(model, config, units=units)
+    if decoded:
+        keep_decoded_secondary_copies(model)
+    if setting == "ahead":
+        zeropp.optimizer_in_backward(model, torch.optim.SGD, lr=0.2, gather_ahead=True)
+        optimizer = None
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    ledger = zeropp.comm_ledger()
+    report: dict = {"losses": [], "secondary": secondary_copy_bytes(model)}
+
+    def loss_of(step: int, micro: int = 0) -> torch.Tensor:
+        if setting == "mixed":
+            x = torch.randn(8, 10, generator=torch.Generator().manual_seed(10 * step + micro))
+            return (model(rows(x, rank, world_size)) ** 2).mean()
+        x, y = (rows(t, rank, world_size) for t in global_batch(10 * step + micro, 8))
+        return model(x, y)[1]
+
+    for step in range(3):
+        ledger.reset()
+        if setting == "accumulate":
+            model.set_requires_gradient_sync(False)
+            loss_of(step, 1).backward()
+            model.set_requires_gradient_sync(True)
+        if setting == "generation":  # no_grad forwards that reuse the copy, then train
+            with zeropp.generation_mode(model):
+                report.setdefault("logits", []).extend(loss_of(step + 100).detach() for _ in range(3))
+                report.setdefault("held_in_generation", held_secondary_copy_bytes(model))
+        loss = loss_of(step)
+        report.setdefault("held_after_forward", held_secondary_copy_bytes(model))
+        if setting == "load":  # a load between forward and backward: the backward gathers it
+            with torch.no_grad():
+                model.load_state_dict({k: v * 0.9 for k, v in model.state_dict().items()})
+        loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad()
+        report["losses"].append(loss.detach().clone())
+        report.setdefault("backward_gathers", ledger.summary(phase="backward", op="all_gather")["by_group"])
+    report["params"] = {n: p.full_tensor() for n, p in model.named_parameters()}
+    report["held_after_step"] = held_secondary_copy_bytes(model)
+    return report
+
+
+CODE_SETTINGS = ("two_hop_int4", "accumulate", "bf16_overlap", "ahead", "generation", "load", "mixed", "probe")
+
+
+def _codes_worker(rank: int, world_size: int, settings: tuple[str, ...]) -> dict:
+    """Each setting trained both ways, compared here (tensors stay in the ranks)."""
+    results = {}
+    for setting in settings:
+        codes, decoded = (_train_codes_or_decoded(rank, world_size, setting, d) for d in (False, True))
+        equal = {key: all(torch.equal(a, b) for a, b in zip(codes.pop(key, []), decoded.pop(key, [])))
+                 for key in ("losses", "logits")}
+        params = codes.pop("params")
+        equal["params"] = all(torch.equal(params[n], p) for n, p in decoded.pop("params").items())
+        results[setting] = {"equal": equal, "codes": codes, "decoded": decoded}
+    return results
+
+
+def test_secondary_copy_as_codes_trains_bit_identically_at_a_fraction_of_the_bytes() -> None:
+    """All three on 2x2 (hpZ=2), the secondary copy kept as qwZ's codes against FSDP2's decoded
+    copy: losses and parameters equal bit for bit after 3 steps in every setting (the two-hop
+    gather with 4-bit asymmetric codes, accumulation, bf16 with overlap, the optimizer in
+    backward with gathers ahead, generation mode's reuse (its logits too), a load between
+    forward and backward, a unit of fp32 and bf16 parameters with one left unquantized, a unit
+    called twice under checkpointing). The copy held after forward is
+    ``secondary_copy_bytes``, smaller as codes, nothing is held after the step, and each
+    backward's intra-node gathers send exactly the copy (h - 1 = 1 peer)."""
+    results = run_distributed(_codes_worker, 4, CODE_SETTINGS, env=TWO_BY_TWO, timeout=600)
+    for result in results:
+        for setting, r in result.items():
+            assert all(r["equal"].values()), (setting, r["equal"])
+            codes, decoded = r["codes"], r["decoded"]
+            assert codes["secondary"] < decoded["secondary"], setting
+            for run in (codes, decoded):
+                assert run["held_after_step"] == 0, setting
+                assert run["held_after_forward"] == run["secondary"], setting
+                if setting != "load":  # a load drops the copy: that backward gathers across nodes
+                    backward_passes = 2 if setting == "accumulate" else 1
+                    assert run["backward_gathers"]["intra"]["bytes"] == backward_passes * run["secondary"], setting
+            if setting == "generation":
+                assert codes["held_in_generation"] == codes["secondary"]

@@ -243,14 +243,25 @@ def test_memory_counts_the_secondary_copy_and_sharded_state() -> None:
     shape = _small_gpt(4, 256)
     topology = Topology(num_nodes=2, ranks_per_node=4)
     workload = _paper_workload(1024)
-    zero3 = cost.memory(shape, MODES["zero3"].config(4), topology, workload)
-    every = cost.memory(shape, MODES["all"].config(4), topology, workload)
+    zero3, hpz, every = (cost.memory(shape, MODES[mode].config(4), topology, workload)
+                         for mode in ("zero3", "hpz", "all"))
     padded = sum(sum(traffic.padded_numels(u, 8)) for u in shape.units)
     rows = sum(math.prod(s[1:]) * memory.local_rows(s[0], 8, 0) for u in shape.units for s in u.shapes)
     assert zero3.parameters == every.parameters == padded / 8 * 4
     assert zero3.optimizer == every.optimizer == rows * 2 * 4
     blocks = sum(sum(traffic.padded_numels(u, 8)) for u in shape.units[:-1])
-    assert zero3.secondary_copy == 0 < every.secondary_copy <= blocks / 4 * 2
+    assert zero3.secondary_copy == 0 < hpz.secondary_copy <= blocks / 4 * 2  # fp16 over the node's 4 ranks
+    # with qwZ each unit's copy is 2 of the world's 8 payload rows: a byte per element and a 4-byte
+    # scale per 256; each parameter's slice of a row adds at most a partial block's scale and 3 bytes
+    # rounding its codes up to 4
+    precision = workload.precision
+    for unit in shape.units:
+        plain = traffic.secondary_copy_bytes(unit, MODES["hpz"].config(4), topology, precision)
+        coded = traffic.secondary_copy_bytes(unit, MODES["all"].config(4), topology, precision)
+        numel = sum(traffic.padded_numels(unit, 8))
+        assert plain == numel / 4 * 2
+        assert numel / 4 * (1 + 4 / 256) <= coded <= numel / 4 * (1 + 4 / 256) + 2 * len(unit.shapes) * (4 + 3)
+    assert 0 < every.secondary_copy <= 0.53 * hpz.secondary_copy
 
 
 def test_recommend_quantizes_on_slow_links_and_not_on_fast_ones() -> None:

@@ -16,6 +16,7 @@ one to change. Verified against torch 2.11 and 2.13 (``tests/test_fsdp_access.py
 from __future__ import annotations
 
 import datetime
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -61,12 +62,16 @@ __all__ = [
     "reached_in_backward",
     "reduce_op_parts",
     "register_primary_shards",
+    "release_secondary_shards",
     "secondary_bytes_held",
+    "secondary_released",
+    "secondary_shard_rank",
     "shard_versions",
     "set_element",
     "set_post_forward_mesh",
     "set_process_group_timeouts",
     "set_unshard_async",
+    "then_after_forward",
     "unit_layout",
     "unit_parameters",
     "unsharded_gradients",
@@ -215,9 +220,90 @@ def shard_versions(units: Iterable[FSDPModule]) -> tuple[int, ...]:
 
 
 def secondary_bytes_held(units: Iterable[FSDPModule]) -> int:
-    """Bytes of post-forward (secondary) shards the units hold right now."""
+    """Bytes of post-forward (secondary) shards the units hold right now (a released shard's
+    placeholder holds none: ``release_secondary_shards``)."""
     return sum(p._sharded_post_forward_param_data.nbytes for p in _fsdp_params(units)
-               if p.sharded_state is ShardedState.SHARDED_POST_FORWARD)
+               if p.sharded_state is ShardedState.SHARDED_POST_FORWARD
+               and not _is_placeholder(p._sharded_post_forward_param_data))
+
+
+def secondary_shard_rank(unit: FSDPModule) -> int:
+    """This rank's index in the unit's post-forward (hpZ) group: which 1/hpZ slice of every
+    parameter its secondary shard holds."""
+    return _param_group(unit).post_forward_mesh_info.shard_mesh_rank
+
+
+def then_after_forward(unit: FSDPModule, hook: Callable[[], None] | None) -> None:
+    """Run ``hook`` right after each post-forward of the unit (FSDP2's reshard after forward,
+    skipped in backward's recomputation), before the next unit runs; it replaces a hook set
+    before (None removes it)."""
+    group = _param_group(unit)
+    if group is None:
+        return
+    original = getattr(group.post_forward, "without_hook", group.post_forward)
+    if hook is None:
+        group.post_forward = original
+        return
+
+    def post_forward(*args: Any) -> Any:
+        output = original(*args)
+        hook()
+        return output
+
+    post_forward.without_hook = original  # type: ignore[attr-defined]
+    group.post_forward = post_forward
+
+
+def release_secondary_shards(unit: FSDPModule) -> bool:
+    """Free the post-forward (secondary) shards FSDP2 made for the unit's backward gather, if it
+    holds them: each becomes a placeholder of its size that holds no memory (read as zeros), and
+    the module gets its primary shards back (``register_primary_shards``). Whoever releases them
+    must then serve the unit's next gather from its own copy ([Note: hpZ's copy as qwZ's codes]
+    in ``zeropp.hpz``); FSDP2's copy-in still reads the placeholders to build that gather's
+    input. Returns whether the shards were released.
+
+    The placeholder is one zero element expanded to the shard's size; where FSDP2 gathers the
+    unit as bytes (its parameters' dtypes differ) it reads each shard through a byte view, which
+    needs unit stride, so there it is a view of one zero buffer per device (as large as the
+    largest such shard, shared by all of them)."""
+    group = _param_group(unit)
+    if group is None or not group.is_sharded_post_forward or secondary_released(unit):
+        return False
+    as_bytes = len({p.param_dtype or p.orig_dtype for p in group.fsdp_params}) > 1
+    for fsdp_param in group.fsdp_params:
+        shard = fsdp_param._sharded_post_forward_param_data
+        fsdp_param._sharded_post_forward_param_data = _placeholder(shard.numel(), shard.dtype, shard.device, as_bytes)
+        fsdp_param._sharded_post_forward_param = None
+        fsdp_param._setattr_on_modules(fsdp_param.sharded_param)
+    return True
+
+
+def secondary_released(unit: FSDPModule) -> bool:
+    """Whether the unit is between forward and backward with its secondary shards released."""
+    group = _param_group(unit)
+    return (group is not None and group.is_sharded_post_forward
+            and any(_is_placeholder(p._sharded_post_forward_param_data) for p in group.fsdp_params))
+
+
+_PLACEHOLDERS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+_ZERO_BYTES: dict[torch.device, torch.Tensor] = {}
+
+
+def _placeholder(numel: int, dtype: torch.dtype, device: torch.device, as_bytes: bool) -> torch.Tensor:
+    if as_bytes:
+        nbytes = numel * dtype.itemsize
+        zeros = _ZERO_BYTES.get(device)
+        if zeros is None or zeros.numel() < nbytes:
+            zeros = _ZERO_BYTES[device] = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        placeholder = zeros[:nbytes].view(dtype)
+    else:
+        placeholder = torch.zeros((), dtype=dtype, device=device).expand(numel)
+    _PLACEHOLDERS[id(placeholder)] = placeholder
+    return placeholder
+
+
+def _is_placeholder(tensor: torch.Tensor | None) -> bool:
+    return tensor is not None and _PLACEHOLDERS.get(id(tensor)) is tensor
 
 
 def unsharded_bytes_held(units: Iterable[FSDPModule]) -> int:

@@ -156,6 +156,21 @@ class ChunkCodec:
         else:
             self.decode_segments(packed, out)
 
+    def regrouped(self, rows_per_chunk: int) -> ChunkCodec:
+        """The codec of chunks that each join ``rows_per_chunk`` consecutive chunks of this one
+        segment by segment: each segment's slices of those chunks, one after the other. FSDP2
+        lays out a unit split over hpZ's h ranks so, from the chunks of the S ranks it is
+        sharded over (``rows_per_chunk`` = S/h; [Note: hpZ's copy as qwZ's codes] in
+        ``zeropp.hpz``). Its payload is ``regroup_payload`` of theirs: the same codes, so it
+        decodes to the same values."""
+        return ChunkCodec([s for s in self.segments for _ in range(rows_per_chunk)], self.block_size, self.dtype)
+
+    def regroup_payload(self, packed: Tensor) -> Tensor:
+        """Packed rows (m, nbytes) of consecutive chunks as one packed row (1, m * nbytes) of
+        ``regrouped(m)``: each segment's bytes of every row, one after the other."""
+        spans = [_round_up(nbytes, _ALIGN) for _, _, _, nbytes in self._spans]
+        return torch.cat([piece.reshape(1, -1) for piece in packed.split(spans, dim=1)], dim=1)
+
     def encode_segments(self, chunks: Tensor, out: Tensor) -> None:
         """``encode``, one segment at a time (the reference the one-pass codec is tested against)."""
         for segment, (start, length, byte, nbytes) in zip(self.segments, self._spans):

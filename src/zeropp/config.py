@@ -178,7 +178,8 @@ class ZeroPPConfig:
     grad_bits_inter: int = 4
     """Bits per gradient element on qgZ's inter-node hop: 2, 4 or 8."""
     quantize_intra_node_weights: bool = False
-    """hpZ + qwZ: also quantize the intra-node backward all-gather (default: full precision)."""
+    """qwZ: also quantize all-gathers inside a node (default: full precision). hpZ's backward
+    gather sends the codes its copy is kept as either way ([Note: hpZ's copy as qwZ's codes])."""
     error_feedback: bool = False
     """qgZ keeps each hop's quantization residual and adds it back at the next step."""
     grad_rotation: str = "none"

@@ -5,7 +5,8 @@ FSDP2 keeps, after a unit's forward, its weights sharded over the unit's post-fo
 node mesh] in ``zeropp.topology``), so the backward all-gather runs over ``hpZ size`` ranks of
 one node and never crosses a node boundary. This module holds what zeropp adds: the size
 check, the hooks that keep the secondary copy from ever being stale, its reuse across the
-``no_grad`` forwards of generation (``generation_mode``), and its memory accounting.
+``no_grad`` forwards of generation (``generation_mode``), the copy kept as qwZ's codes
+(``CodedSecondaryCopy``), and its memory accounting.
 """
 
 from __future__ import annotations
@@ -22,15 +23,21 @@ from torch.distributed.fsdp import FSDPModule
 
 from zeropp._fsdp import (
     fsdp_units,
+    in_backward,
     post_forward_meshes,
     register_primary_shards,
     register_whole_parameters,
+    release_secondary_shards,
     secondary_bytes_held,
+    secondary_released,
+    secondary_shard_rank,
     set_post_forward_meshes,
     shard_versions,
+    then_after_forward,
     unit_layout,
     unsharded_bytes_held,
 )
+from zeropp.codec import ChunkCodec
 from zeropp.topology import Topology
 
 GENERATION_COPIES = ("node", "full")
@@ -112,6 +119,111 @@ class SecondaryCopies:
 _COPIES: weakref.WeakKeyDictionary[nn.Module, SecondaryCopies] = weakref.WeakKeyDictionary()
 
 
+class CodedSecondaryCopy:
+    """One unit's secondary copy held as the qwZ codes it is decoded from.
+
+    [Note: hpZ's copy as qwZ's codes]
+    With qwZ the weights a unit's forward computes with are ``dequantize(quantize(shard))`` of
+    every rank's shard, decoded from the payload rows the forward gather received, and hpZ's
+    secondary copy is a slice of exactly those values: rank i of an hpZ group of h (of a unit
+    sharded over S ranks) keeps 1/h of every parameter, which is the S/h world chunks
+    i*S/h .. (i+1)*S/h - 1. So it keeps those S/h payload rows instead (codes and block
+    scales; the parameters qwZ leaves unquantized ride in them in their own dtype): about half
+    the bytes of a bf16 copy and a quarter of an fp32 one at 8 bits, and lossless, since
+    decoding them again gives the same bits. The rows are kept regrouped parameter by
+    parameter (``ChunkCodec.regroup_payload``), as FSDP2 lays out the unit's chunk over h ranks
+    (each parameter's 1/h slice whole), so the backward's gather inside the node sends them
+    and decodes what it receives straight into FSDP2's output (``ChunkCodec.regrouped``):
+    half the bytes of a full-precision bf16 gather, the decode the forward's gather does, and
+    weights bit-identical to the forward's.
+
+    FSDP2 still makes its copy when it reshards after forward (a clone of this rank's slice of
+    the gathered weights, one unit at a time); right after, the rows the forward gather
+    received are kept and FSDP2's shards are released (``_fsdp.release_secondary_shards``),
+    so between forward and backward the unit holds only the rows. The copy goes when FSDP2's
+    would: a backward's gather takes it; a forward that gathers from it (generation's reuse, a
+    unit called twice) keeps it for the shards it makes again; ``drop_secondary_copies`` drops
+    it. A unit whose forward did not gather across the world (it stayed whole) keeps FSDP2's
+    copy, and its gather runs as without codes. ``keep_decoded_secondary_copies`` goes back to
+    FSDP2's decoded copy (the comparison tests make).
+    """
+
+    def __init__(self, unit: FSDPModule, group_size: int, partition_size: int, row_bytes: int) -> None:
+        self.unit = unit
+        self.group_size, self.partition_size = group_size, partition_size
+        """Ranks the unit is sharded over (S), and in its hpZ group (h)."""
+        self.rows_per_copy = group_size // partition_size
+        """The S/h payload rows of the forward's gather the copy is made of."""
+        self.copy_bytes = self.rows_per_copy * row_bytes
+        """Bytes of the copy while held."""
+        self._first_row = secondary_shard_rank(unit) * self.rows_per_copy
+        self.enabled = True
+        """False: keep FSDP2's decoded copy (``keep_decoded_secondary_copies``)."""
+        self._arrived: torch.Tensor | None = None
+        self._held: torch.Tensor | None = None
+        then_after_forward(unit, self._after_forward)
+
+    def received(self, rows: torch.Tensor, codec: ChunkCodec) -> None:
+        """The payload rows (S, row bytes, rank order) of ``codec`` a forward gather of the unit
+        decoded: keep this rank's secondary rows, regrouped, until FSDP2 reshards the unit."""
+        if self.enabled and len(rows) == self.group_size and not in_backward():
+            mine = rows[self._first_row:self._first_row + self.rows_per_copy]
+            self._arrived = codec.regroup_payload(mine)
+
+    def _after_forward(self) -> None:
+        arrived, self._arrived = self._arrived, None
+        if arrived is not None and release_secondary_shards(self.unit):
+            self._held = arrived
+
+    def take(self, group_size: int) -> torch.Tensor | None:
+        """The copy to send (one regrouped payload row) for a gather over ``group_size`` ranks,
+        if it is the gather from the secondary copy and the copy is held; a forward's gather
+        keeps it for the next copy."""
+        if group_size != self.partition_size or group_size == self.group_size:
+            return None
+        held, self._held = self._held, None
+        if held is None and secondary_released(self.unit):
+            raise RuntimeError("hpZ: a unit's secondary copy was released and its codes are gone; the gather "
+                               "from it would read placeholders")
+        if held is not None and not in_backward():
+            self._arrived = held
+        return held
+
+    def drop(self) -> None:
+        self._arrived = self._held = None
+
+    @property
+    def held_bytes(self) -> int:
+        return 0 if self._held is None else self._held.numel()
+
+
+_CODE_COPIES: weakref.WeakKeyDictionary[FSDPModule, CodedSecondaryCopy] = weakref.WeakKeyDictionary()
+
+
+def keep_secondary_as_codes(unit: FSDPModule, row_bytes: int | None) -> CodedSecondaryCopy | None:
+    """Hold the unit's hpZ secondary copy as qwZ's payload rows of ``row_bytes`` each ([Note:
+    hpZ's copy as qwZ's codes]); None for a unit without a secondary copy, or with ``row_bytes``
+    None (its gathers are not qwZ's: FSDP2 keeps its copy)."""
+    if row_bytes is None or not has_secondary_copy(unit):
+        if _CODE_COPIES.pop(unit, None) is not None:
+            then_after_forward(unit, None)
+        return None
+    layout = unit_layout(unit)
+    copy = _CODE_COPIES[unit] = CodedSecondaryCopy(unit, layout.shard_group_size, layout.post_forward_group_size,
+                                                   row_bytes)
+    return copy
+
+
+def keep_decoded_secondary_copies(model: nn.Module) -> None:
+    """From the next forward on, keep hpZ's secondary copies as FSDP2 makes them (the decoded
+    weights, in the gather dtype) instead of qwZ's codes: the same training bit for bit, at about
+    2x (bf16) or 4x (fp32) the copy's memory and, unless ``quantize_intra_node_weights``, the
+    backward gather's bytes. For comparisons."""
+    for unit in fsdp_units(model):
+        if (copy := _CODE_COPIES.get(unit)) is not None:
+            copy.enabled = False
+
+
 def keep_secondary_copies_fresh(model: nn.Module) -> None:
     """Install the hooks of [Note: hpZ secondary copies are never stale] on a sharded root."""
     copies = _COPIES[model] = SecondaryCopies(model)
@@ -128,7 +240,8 @@ def generation_mode(model: nn.Module, copy: str = "node") -> Iterator[None]:
     nodes (INT8 under qwZ) and keeps a copy that later ``no_grad`` forwards gather from:
 
     - ``copy="node"``: hpZ's secondary copy (the unit's weights sharded over the ranks of one
-      node: parameters x bytes / hpZ size per rank); every later forward gathers inside the node;
+      node: parameters x bytes / hpZ size per rank, or under qwZ its codes, [Note: hpZ's copy
+      as qwZ's codes]); every later forward gathers inside the node;
     - ``copy="full"``: each unit whole (parameters x bytes per rank); later forwards gather
       nothing. Faster where even the node's gather costs (FSDP2 rebuilds the secondary shard
       of every parameter after every forward), for models whose weights fit on a rank.
@@ -183,7 +296,8 @@ def held_secondary_copy_bytes(model: nn.Module) -> int:
     copies, and units kept whole by ``generation_mode(copy="full")`` (0 outside a
     forward-backward window and outside ``generation_mode``)."""
     units = list(fsdp_units(model))
-    return secondary_bytes_held(units) + unsharded_bytes_held(units)
+    codes = sum(copy.held_bytes for unit in units if (copy := _CODE_COPIES.get(unit)) is not None)
+    return secondary_bytes_held(units) + codes + unsharded_bytes_held(units)
 
 
 def drop_secondary_copies(units: Sequence[FSDPModule]) -> None:
@@ -206,6 +320,8 @@ def drop_secondary_copies(units: Sequence[FSDPModule]) -> None:
     forward gathers whatever was loaded."""
     for unit in units:
         unit.reshard()
+        if (copy := _CODE_COPIES.get(unit)) is not None:
+            copy.drop()
 
 
 def has_secondary_copy(unit: FSDPModule) -> bool:
@@ -224,12 +340,17 @@ def generation_copy_bytes(model: nn.Module, copy: str = "node") -> int:
 
 
 def secondary_copy_bytes(model: nn.Module) -> int:
-    """Bytes of hpZ's secondary copy on this rank: each unit's parameters (in the gather dtype)
-    split over its hpZ group, held between a unit's forward and its backward. 0 without hpZ."""
+    """Bytes of hpZ's secondary copy on this rank, held between a unit's forward and its
+    backward: each unit's parameters (in the gather dtype) split over its hpZ group, or, for a
+    unit whose copy is kept as qwZ's codes, its payload rows ([Note: hpZ's copy as qwZ's
+    codes]). 0 without hpZ."""
     total = 0
     for unit in fsdp_units(model):
         layout = unit_layout(unit)
         if layout.post_forward_group_size == layout.shard_group_size:
+            continue
+        if (copy := _CODE_COPIES.get(unit)) is not None and copy.enabled:
+            total += copy.copy_bytes
             continue
         total += sum(numel // layout.post_forward_group_size * dtype.itemsize
                      for numel, dtype in zip(layout.padded_numels, layout.gather_dtypes))

@@ -3,13 +3,16 @@
 Each rank's chunk of a unit's flat parameter buffer travels block-quantized (data and scales
 in one uint8 payload, see ``zeropp.codec``), and every rank's chunk, its own included, is
 decoded into the output, so all ranks compute with the same weights: ``dequantize(quantize(
-shard))`` of every shard. FSDP2 calls the same comm for the backward all-gather; on an
-intra-node group (hpZ's backward gather) the chunk travels in full precision unless asked.
+shard))`` of every shard. FSDP2 calls the same comm for the backward all-gather. With hpZ the
+secondary copy that gather reads is kept as the payload rows the forward received, and travels
+as such ([Note: hpZ's copy as qwZ's codes] in ``zeropp.hpz``); any other gather on an
+intra-node group sends the chunk in full precision unless asked.
 """
 
 from __future__ import annotations
 
 import fnmatch
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -19,6 +22,9 @@ from zeropp.codec import ChunkCodec, segments_for
 from zeropp.comms import Completion, GatherAhead, RecordedComm, Started, all_gather, buffered
 from zeropp.ledger import CommLedger, GroupKind
 from zeropp.topology import ProcessGroups, Topology
+
+if TYPE_CHECKING:
+    from zeropp.hpz import CodedSecondaryCopy
 
 QUANTIZABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -58,7 +64,8 @@ class QuantizedAllGather(RecordedComm, GatherAhead, AllGather):
     ``dtypes`` are the parameters' gather dtypes: a unit that mixes them is gathered by FSDP2 as
     bytes, and coded per parameter in its own dtype ([Note: mixed-dtype units]). With
     ``two_hop`` (the process groups) a gather over the world runs in two hops ([Note: two-hop
-    gather]).
+    gather]). ``secondary_codes``: the unit's hpZ copy kept as payload rows, which the gather
+    from it sends ([Note: hpZ's copy as qwZ's codes] in ``zeropp.hpz``).
 
     [Note: two-hop gather]
     gloo's (and NCCL's) ring all-gather over the world has one edge out of each node, and that
@@ -84,7 +91,9 @@ class QuantizedAllGather(RecordedComm, GatherAhead, AllGather):
         self.padded_numels, self.quantized, self.dtypes = padded_numels, quantized, dtypes
         self.bits, self.block_size, self.asymmetric = bits, block_size, asymmetric
         self.quantize_intra_node = quantize_intra_node
+        self.secondary_codes: CodedSecondaryCopy | None = None
         self._codecs: dict[tuple[int, torch.dtype], ChunkCodec] = {}
+        self._regrouped: dict[tuple[int, torch.dtype, int], ChunkCodec] = {}
 
     def codec(self, group_size: int, dtype: torch.dtype) -> ChunkCodec:
         """The codec of one chunk when the unit's parameters are split over ``group_size`` ranks."""
@@ -102,6 +111,9 @@ class QuantizedAllGather(RecordedComm, GatherAhead, AllGather):
     def start(self, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool,
               output_tensor: torch.Tensor | None) -> Started:
         info = self.group_info(group)
+        codes = self.secondary_codes.take(info.size) if self.secondary_codes is not None else None
+        if codes is not None:
+            return self._gather_codes(codes, input_tensor, group, info.size, async_op)
         if info.kind is GroupKind.INTRA and not self.quantize_intra_node:
             if output_tensor is None:
                 output_tensor = input_tensor.new_empty(input_tensor.numel() * info.size)
@@ -118,7 +130,37 @@ class QuantizedAllGather(RecordedComm, GatherAhead, AllGather):
         received = torch.empty((info.size, codec.nbytes), dtype=torch.uint8, device=input_tensor.device)
         work = all_gather(received.view(-1), send.view(-1), group, self.recorder, self.technique,
                           dtype=f"int{self.bits}", async_op=async_op)
-        return work, Completion(received, lambda output: codec.decode(received, output.view(info.size, -1)))
+        return work, Completion(received, lambda output: self._decode(received, codec, output))
+
+    def _decode(self, received: torch.Tensor, codec: ChunkCodec, output_tensor: torch.Tensor) -> None:
+        """Decode every rank's payload row into the output, and hand the rows to hpZ's copy."""
+        codec.decode(received, output_tensor.view(len(received), -1))
+        if self.secondary_codes is not None:
+            self.secondary_codes.received(received, codec)
+
+    def _gather_codes(self, codes: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                      group_size: int, async_op: bool) -> Started:
+        """The gather from hpZ's copy kept as codes: each rank sends its regrouped payload row,
+        and the group's rows decode straight into FSDP2's layout over ``group_size`` ranks
+        ([Note: hpZ's copy as qwZ's codes]). FSDP2's input (built from placeholders) is not read."""
+        copy = self.secondary_codes
+        codec = self.regrouped_codec(copy.group_size, copy.rows_per_copy, input_tensor.dtype)
+        if codec.numel != input_tensor.numel() or codec.nbytes != codes.numel():
+            raise RuntimeError(f"hpZ's gather from codes got a chunk of {input_tensor.numel()} elements and "
+                               f"{codes.numel()} bytes of codes; the unit's codes make {codec.numel} elements and "
+                               f"{codec.nbytes} bytes")
+        received = torch.empty((group_size, codec.nbytes), dtype=torch.uint8, device=codes.device)
+        work = all_gather(received.view(-1), codes.view(-1), group, self.recorder, "hpZ", dtype=f"int{self.bits}",
+                          async_op=async_op)
+        return work, Completion(received, lambda output: codec.decode(received, output.view(group_size, -1)))
+
+    def regrouped_codec(self, group_size: int, rows_per_chunk: int, dtype: torch.dtype) -> ChunkCodec:
+        """The codec of chunks joining ``rows_per_chunk`` of the chunks over ``group_size`` ranks
+        (``ChunkCodec.regrouped``): hpZ's copy as codes."""
+        key = (group_size, dtype, rows_per_chunk)
+        if key not in self._regrouped:
+            self._regrouped[key] = self.codec(group_size, dtype).regrouped(rows_per_chunk)
+        return self._regrouped[key]
 
     def _gather_in_two_hops(self, send: torch.Tensor, codec: ChunkCodec, async_op: bool) -> Started:
         """The world gather across nodes, then inside the node: see [Note: two-hop gather]. The
@@ -134,6 +176,6 @@ class QuantizedAllGather(RecordedComm, GatherAhead, AllGather):
             all_gather(node.view(-1), across.view(-1), groups.intra_node_group, self.recorder, self.technique,
                        dtype=f"int{self.bits}")
             in_rank_order = node.transpose(0, 1).reshape(num_nodes * ranks_per_node, codec.nbytes)
-            codec.decode(in_rank_order, output_tensor.view(num_nodes * ranks_per_node, -1))
+            self._decode(in_rank_order, codec, output_tensor)
 
         return work, Completion(across, finish)

@@ -15,6 +15,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -37,6 +38,7 @@ from zeropp.hpz import (
     check_hpz,
     generate_in_generation_mode,
     has_secondary_copy,
+    keep_secondary_as_codes,
     keep_secondary_copies_fresh,
 )
 from zeropp.qgz import HierarchicalQuantizedReduceScatter, full_precision_gradients
@@ -270,8 +272,12 @@ def _install_comms(module: FSDPModule, groups: ProcessGroups, config: ZeroPPConf
             asymmetric=config.weight_code == "asymmetric", block_size=config.block_size,
             quantize_intra_node=config.quantize_intra_node_weights,
             dtypes=layout.gather_dtypes, two_hop=groups if config.hierarchical_gather else None)
+        chunk_dtype = layout.gather_dtypes[0] if len(set(layout.gather_dtypes)) == 1 else torch.uint8
+        all_gather.secondary_codes = keep_secondary_as_codes(
+            module, all_gather.codec(layout.shard_group_size, chunk_dtype).nbytes)
     else:
         all_gather = CountingAllGather(groups.topology)
+        keep_secondary_as_codes(module, None)
     if config.quantized_gradients:
         trainable = [n for n, t in zip(layout.padded_numels, layout.trainable) if t]
         spared = full_precision_gradients(

@@ -51,7 +51,7 @@ import torch
 from zeropp.codec import payload_bytes, segments_for
 from zeropp.config import ZeroPPConfig
 from zeropp.plan.model import ModelShape, UnitShape
-from zeropp.plan.traffic import Precision, padded_numels
+from zeropp.plan.traffic import Precision, keeps_codes, padded_numels, secondary_copy_bytes
 from zeropp.topology import Topology
 
 PARAMETER_BYTES = 4
@@ -176,8 +176,11 @@ def unit_bytes(unit: UnitShape, model: ModelShape, config: ZeroPPConfig | None, 
     quantize = [config is not None and (config.quantized_weights or (config.quantized_nontrainable_weights and not t))
                 for t in unit.trainable]
     hpz = config.hpz_partition_size if config is not None else 1
-    backward_group = hpz if hpz > 1 else shard_size
-    backward_quantize = quantize if hpz <= 1 or config.quantize_intra_node_weights else [False] * len(quantize)
+    codes = hpz > 1 and keeps_codes(quantize, config, topology)
+    # with the copy kept as codes, the backward's node gather receives the world's payload rows
+    # and decodes them into FSDP2's output, as the forward's gather does
+    backward_group = hpz if hpz > 1 and not codes else shard_size
+    backward_quantize = quantize if hpz <= 1 or codes or config.quantize_intra_node_weights else [False] * len(quantize)
     batch, context = tokens
     whole_gradients = sum(math.prod(s) for s, t in zip(unit.shapes, unit.trainable) if t) * gather_dtype.itemsize
     activations = model.block_activation_bytes(batch, context, gather_dtype.itemsize) if unit.is_block else 0.0
@@ -193,7 +196,7 @@ def unit_bytes(unit: UnitShape, model: ModelShape, config: ZeroPPConfig | None, 
         gradient=sum(trainable) / shard_size * reduce_size,
         whole=sum(padded) * gather_dtype.itemsize,
         whole_gradients=whole_gradients,
-        secondary=sum(padded) / hpz * gather_dtype.itemsize if hpz > 1 else 0.0,
+        secondary=secondary_copy_bytes(unit, config, topology, precision),
         gather_forward=_gather_bytes(padded, quantize, shard_size, config, gather_dtype) if padded else 0.0,
         gather_backward=_gather_bytes(padded, backward_quantize, backward_group, config, gather_dtype)
         if padded else 0.0,

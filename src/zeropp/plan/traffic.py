@@ -12,8 +12,9 @@ rank's chunk of a unit is the sum of ``ceil(d0 / G) * rest`` over its parameters
 - HSDP: the unit is sharded inside the node; gathers and reduce-scatter run on the node, and the
   reduced shard is all-reduced across nodes.
 - qwZ: the gathers send each parameter's slice block-quantized (``zeropp.codec``'s payload).
-- hpZ: the backward gather runs inside the node from the secondary copy (in full precision
-  unless ``quantize_intra_node_weights``).
+- hpZ: the backward gather runs inside the node from the secondary copy: in full precision, or
+  with qwZ as the payload rows the copy is kept as (each rank's world rows of the forward gather,
+  [Note: hpZ's copy as qwZ's codes] in ``zeropp.hpz``).
 - qgZ: the reduce-scatter becomes two all-to-alls; a rank sends each node peer the N chunks it
   owes that peer's local index, then each remote node one chunk, never its own rows.
 - Every zeropp mode: one byte per parameter of each trainable unit, all-reduced in backward
@@ -118,11 +119,37 @@ class _Payload(NamedTuple):
                         self.coded_elements)
 
 
+def _quantized(unit: UnitShape, config: ZeroPPConfig) -> list[bool]:
+    """Which of the unit's parameters qwZ quantizes."""
+    return [config.quantized_weights or (config.quantized_nontrainable_weights and not trainable)
+            for trainable in unit.trainable]
+
+
+def keeps_codes(quantized: list[bool], config: ZeroPPConfig, topology: Topology) -> bool:
+    """Whether the unit's hpZ copy is kept as qwZ's payload rows: qwZ quantizes it and hpZ's group
+    is smaller than the world (a group of the whole world keeps no secondary copy)."""
+    return any(quantized) and 1 < config.hpz_partition_size < topology.world_size
+
+
+def secondary_copy_bytes(unit: UnitShape, config: ZeroPPConfig | None, topology: Topology,
+                         precision: Precision) -> float:
+    """Bytes of one unit's hpZ secondary copy on a rank, held from its forward to its backward:
+    its parameters over hpZ's group in the gather dtype, or with qwZ the world/hpZ payload rows
+    they are decoded from ([Note: hpZ's copy as qwZ's codes] in ``zeropp.hpz``); 0 without hpZ."""
+    hpz, world = (config.hpz_partition_size if config is not None else 1), topology.world_size
+    if hpz <= 1 or not unit.shapes:
+        return 0.0
+    padded = padded_numels(unit, world)
+    quantized = _quantized(unit, config)
+    if keeps_codes(quantized, config, topology):
+        return world // hpz * _quantized_gather(padded, quantized, world, config, precision).bytes_per_peer
+    return sum(padded) / hpz * precision.gather_dtype.itemsize
+
+
 def _gathers(unit: UnitShape, padded: list[int], config: ZeroPPConfig, topology: Topology,
              precision: Precision) -> list[Transfer]:
     world, itemsize = topology.world_size, precision.gather_dtype.itemsize
-    quantized = [config.quantized_weights or (config.quantized_nontrainable_weights and not trainable)
-                 for trainable in unit.trainable]
+    quantized = _quantized(unit, config)
     if any(quantized):
         world_gather = _quantized_gather(padded, quantized, world, config, precision)
     else:
@@ -141,7 +168,12 @@ def _gathers(unit: UnitShape, padded: list[int], config: ZeroPPConfig, topology:
     hpz = config.hpz_partition_size
     if hpz <= 1:
         return [*forward, *(replace(t, phase="backward") for t in world_hops)]
-    if any(quantized) and config.quantize_intra_node_weights:
+    if keeps_codes(quantized, config, topology):
+        # the copy's rows, the world's chunks in the forward's payload, decoded after
+        rows = world // hpz
+        node_gather = _Payload(rows * world_gather.bytes_per_peer, "hpZ", world_gather.dtype,
+                               world_gather.coded_elements // (1 + world) * world)
+    elif any(quantized) and config.quantize_intra_node_weights:
         node_gather = _quantized_gather(padded, quantized, hpz, config, precision)
     else:
         # qwZ's comm labels the full-precision node gather hpZ; FSDP2's own comm is "fsdp"
