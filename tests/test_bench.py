@@ -108,7 +108,7 @@ def test_worker_steps_in_backward_like_the_plain_loop() -> None:
         assert forward[0] == 0 < forward[1]
 
 
-PEER = replace(TINY, modes=("zero3", "deepspeed"), steps=3, param_dtype="float32", lr=1e-2)
+PEER = replace(TINY, modes=("zero3", "deepspeed", "hpz", "deepspeed_hpz"), steps=3, param_dtype="float32", lr=1e-2)
 """A large learning rate, so that a difference in the updates shows in the third step's loss
 (with DeepSpeed's default clipping at norm 1.0 it moves by 3e-4 relative)."""
 
@@ -122,16 +122,38 @@ def test_deepspeed_zero3_trains_like_plain_fsdp2() -> None:
     """DeepSpeed ZeRO-3 (the benchmark's peer) and zeropp's plain FSDP2 mode on the same weights,
     batches and AdamW, in fp32, with DeepSpeed's default gradient clipping turned off: the same
     math in a different reduction order, so the losses of three steps agree to fp32 rounding
-    (~1e-7 relative per op; 1e-5 leaves room for Adam's division where |grad| is near eps)."""
+    (~1e-7 relative per op; 1e-5 leaves room for Adam's division where |grad| is near eps). The
+    same holds with each system's hpZ over the node, and both hold the same secondary copy after
+    a forward: the fp32 weights split over the node's 2 ranks (every parameter of the tiny GPT
+    has a multiple of 4 elements, so neither system pads)."""
     pytest.importorskip("deepspeed", reason="the optional peer: DS_BUILD_OPS=0 pip install "
                         "--no-build-isolation -e '.[peer]' (make venv installs it)")
     # DeepSpeed builds its CPU shared-memory op on first use (~2.5 min, then cached): a long wait
     record, *_ = run_distributed(_run_peer, 4, PEER, env={"ZEROPP_RANKS_PER_NODE": "2"}, timeout=600)
-    zero3, deepspeed = record["modes"]["zero3"], record["modes"]["deepspeed"]
-    assert len(deepspeed["losses"]) == 3 and deepspeed["ledger_per_step"] is None
-    assert deepspeed["losses"][-1] < deepspeed["losses"][0]  # it trains
-    for ours, theirs in zip(zero3["losses"], deepspeed["losses"]):
-        assert math.isclose(theirs, ours, rel_tol=1e-5), (zero3["losses"], deepspeed["losses"])
+    modes = record["modes"]
+    for ours, peer in (("zero3", "deepspeed"), ("hpz", "deepspeed_hpz")):
+        zeropp_losses, deepspeed = modes[ours]["losses"], modes[peer]
+        assert len(deepspeed["losses"]) == 3 and deepspeed["ledger_per_step"] is None
+        assert deepspeed["losses"][-1] < deepspeed["losses"][0]  # it trains
+        for mine, theirs in zip(zeropp_losses, deepspeed["losses"]):
+            assert math.isclose(theirs, mine, rel_tol=1e-5), (ours, zeropp_losses, deepspeed["losses"])
+    half_of_the_weights = record["num_parameters"] * 4 // 2
+    assert modes["hpz"]["secondary_copy_bytes"] == modes["deepspeed_hpz"]["secondary_copy_bytes"] == [
+        half_of_the_weights] * 4
+    assert modes["deepspeed"]["secondary_copy_bytes"] == [0] * 4
+
+
+def test_deepspeed_hpz_mode_spans_the_node() -> None:
+    from zeropp.bench.worker import deepspeed_config
+    from zeropp.modes import MODES, System
+
+    assert MODES["deepspeed_hpz"].system is System.DEEPSPEED and MODES["deepspeed_hpz"].hpz
+    zero = deepspeed_config(PEER, 4, MODES["deepspeed_hpz"].deepspeed_options(2))["zero_optimization"]
+    assert zero["stage"] == 3 and zero["zero_hpz_partition_size"] == 2
+    assert zero["stage3_max_reuse_distance"] == zero["stage3_prefetch_bucket_size"] == 0
+    assert deepspeed_config(PEER, 4, MODES["deepspeed"].deepspeed_options(2))["zero_optimization"] == {"stage": 3}
+    with pytest.raises(ValueError, match="mode 'hpz' runs zeropp, not deepspeed"):
+        MODES["hpz"].deepspeed_options(2)
 
 
 def test_deepspeed_mode_needs_equal_micro_batches() -> None:

@@ -36,9 +36,9 @@ class Mode:
     """One line for tables and ``--help``."""
     system: System = System.ZEROPP
     options: Mapping[str, Any] = field(default_factory=dict)
-    """``ZeroPPConfig`` fields, besides hpZ's size."""
+    """``ZeroPPConfig`` fields, besides hpZ's size (DeepSpeed: entries of its ``zero_optimization``)."""
     hpz: bool = False
-    """hpZ on, over the whole node."""
+    """hpZ on, over the whole node (for DeepSpeed: ``zero_hpz_partition_size`` = ranks per node)."""
     initial_weight_noise: float = 0.0
     """A control, not a technique: the initial weight matrices are multiplied by (1 + this x
     N(0, 1)), elementwise, the same on every rank, before sharding ([Note: perturbation controls])."""
@@ -59,6 +59,14 @@ class Mode:
         hpz = {"hpz_partition_size": ranks_per_node} if self.hpz else {}
         return ZeroPPConfig(**{**self.options, **hpz, **overrides})
 
+    def deepspeed_options(self, ranks_per_node: int) -> dict[str, Any]:
+        """The entries of DeepSpeed's ``zero_optimization`` this mode sets on nodes of
+        ``ranks_per_node`` ranks (its hpZ over the node: ``zero_hpz_partition_size``)."""
+        if self.system is not System.DEEPSPEED:
+            raise ValueError(f"mode {self.name!r} runs {self.system.value}, not deepspeed: it has no DeepSpeed options")
+        hpz = {"zero_hpz_partition_size": ranks_per_node} if self.hpz else {}
+        return {**self.options, **hpz}
+
 
 QWZ_RELATIVE_ERROR = 7.0e-3
 """The relative RMS error qwZ's INT8 code puts on a Gaussian weight matrix (blocks of 256, absmax
@@ -74,6 +82,13 @@ travel in 8 bits, at DeepSpeed's cross-node bytes +0.8% (``zeropp bench qgz-erro
 _SPARE_SMALL = {"grad_full_precision_below": 1024}
 """qgZ sends the gradients of parameters under 1024 elements unquantized: LayerNorms and most biases
 up to a width of 512 (below 1% of the gradient bytes from a width of 512 up; 5.7% on the demo GPT)."""
+_DEEPSPEED_RESHARD = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0,
+                      "stage3_max_reuse_distance": 0}
+"""DeepSpeed ZeRO-3 options that make it hold weights as FSDP2 does: every parameter partitioned
+(by default those under 1e5 elements stay whole on every rank), and released after its forward.
+By default DeepSpeed prefetches up to 5e7 elements along the recorded trace and keeps weights it
+will use again within 1e9 elements: on a model smaller than that, every weight stays whole from
+the second forward to its backward, nothing is gathered in backward and hpZ makes no copy."""
 MODES: dict[str, Mode] = {mode.name: mode for mode in (
     Mode(name="zero3", summary="ZeRO-3: FSDP2 with its own collectives (counted)"),
     Mode(name="zero3_init", summary="control: ZeRO-3 from initial weights perturbed by qwZ's relative error",
@@ -83,6 +98,10 @@ MODES: dict[str, Mode] = {mode.name: mode for mode in (
          options={"quantized_gradients": True, "grad_full_precision_parameters": ("*",)}),
     Mode(name="hsdp", summary="FSDP2 hybrid sharding (replicate across nodes)", system=System.HSDP),
     Mode(name="deepspeed", summary="DeepSpeed ZeRO-3", system=System.DEEPSPEED),
+    Mode(name="deepspeed_reshard", summary="DeepSpeed ZeRO-3 resharding as FSDP2 does (see _DEEPSPEED_RESHARD)",
+         system=System.DEEPSPEED, options=_DEEPSPEED_RESHARD),
+    Mode(name="deepspeed_hpz", summary="deepspeed_reshard with DeepSpeed's hpZ (zero_hpz_partition_size)",
+         system=System.DEEPSPEED, options=_DEEPSPEED_RESHARD, hpz=True),
     Mode(name="qwz", summary="qwZ: INT8 weight all-gather", options={"quantized_weights": True}),
     Mode(name="qnw", summary="INT8 all-gather of frozen weights only",
          options={"quantized_nontrainable_weights": True}),

@@ -242,6 +242,7 @@ def run(config: RunConfig) -> dict[str, Any]:
 
     import zeropp
     from zeropp._fsdp import counting_new_groups, num_process_groups
+    from zeropp.hpz import keep_decoded_secondary_copies
     from zeropp.modes import MODES
 
     dist.init_process_group("fake", rank=config.rank, world_size=config.world_size, store=FakeStore())
@@ -251,6 +252,8 @@ def run(config: RunConfig) -> dict[str, Any]:
     with counting_new_groups() as new_groups:
         started = time.perf_counter()
         zeropp.shard(llama, mode, topology=topology, units=units)
+        if MODES[config.mode].decoded_secondary_copy:
+            keep_decoded_secondary_copies(llama)
         shard_s = time.perf_counter() - started
         record: dict[str, Any] = {"config": asdict(config), "shard_s": shard_s, "new_group_calls": new_groups[0],
                                   "process_groups": num_process_groups(), "num_units": len(units) + 1}

@@ -34,7 +34,7 @@ from zeropp.bench.comm import (
     run_each_mode,
 )
 from zeropp.bench.worker import BENCH_MODES, WorkerConfig
-from zeropp.modes import BASELINE
+from zeropp.modes import BASELINE, MODES, System
 
 BANDWIDTHS = ("unlimited", "1gbit", "100mbit")
 TIMED_STEPS = {"unlimited": 4, "1gbit": 4, "100mbit": 3}
@@ -49,15 +49,16 @@ def deepspeed_available() -> bool:
 
 def deepspeed_status(modes: Sequence[str], param_dtype: str) -> str:
     """What the results say about DeepSpeed ZeRO-3, the optional peer."""
-    if "deepspeed" in modes:
+    peers = [mode for mode in modes if MODES[mode].system is System.DEEPSPEED]
+    if peers:
         from importlib.metadata import version
 
-        return (f"DeepSpeed {version('deepspeed')} ZeRO-3 (DS_ACCELERATOR=cpu, gloo), mode 'deepspeed': "
-                f"{param_dtype} gathers, fp32 gradient reduction, no clipping, its own defaults "
-                f"otherwise; its collectives bypass zeropp's ledger (wire bytes only). Its ZeRO++ "
-                f"(zero_quantized_weights, "
-                f"zero_hpz_partition_size, zero_quantized_gradients) needs CUDA quantizer kernels, "
-                f"so it is not run here")
+        return (f"DeepSpeed {version('deepspeed')} ZeRO-3 (DS_ACCELERATOR=cpu, gloo), modes {peers}: "
+                f"{param_dtype} gathers, fp32 gradient reduction, no clipping, each mode's "
+                f"zero_optimization options (zeropp.modes), its own defaults otherwise; its collectives "
+                f"bypass zeropp's ledger (wire bytes only). Its hpZ (zero_hpz_partition_size) runs on "
+                f"CPU; its quantized gathers and gradients (zero_quantized_weights, "
+                f"zero_quantized_gradients) need CUDA quantizer kernels, so they are not run here")
     if not deepspeed_available():
         return ("not installed (optional: DS_BUILD_OPS=0 pip install --no-build-isolation "
                 "deepspeed==0.19.8); not measured")

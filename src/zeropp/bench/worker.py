@@ -35,6 +35,7 @@ import statistics
 import time
 import warnings
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,10 @@ class Trainer:
     def build_optimizer(self) -> Any:
         return torch.optim.AdamW(self.model.parameters(), lr=self.config.lr, weight_decay=0.0)
 
+    def secondary_copy_bytes(self) -> int:
+        """Bytes of hpZ's secondary copy this rank holds between a unit's forward and backward."""
+        return secondary_copy_bytes(self.model)
+
     def forward_backward_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         _, loss = self.model(x, y)
         loss.backward()
@@ -203,17 +208,21 @@ class InBackwardTrainer(Trainer):
         return loss
 
 
-def trainer_class(mode: Mode) -> type[Trainer]:
+def build_trainer(mode: Mode, model: nn.Module, corpus: CharCorpus, config: WorkerConfig,
+                  topology: zeropp.Topology) -> Trainer:
+    """The trainer of ``mode``."""
     if mode.system is System.DEEPSPEED:
-        return DeepSpeedTrainer
-    return InBackwardTrainer if mode.gather_ahead else Trainer
+        return DeepSpeedTrainer(model, corpus, config, mode.deepspeed_options(topology.ranks_per_node))
+    return (InBackwardTrainer if mode.gather_ahead else Trainer)(model, corpus, config)
 
 
-def deepspeed_config(config: WorkerConfig, world_size: int) -> dict[str, Any]:
+def deepspeed_config(config: WorkerConfig, world_size: int,
+                     zero_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """DeepSpeed ZeRO-3 matching the FSDP2 modes: gathers in ``param_dtype`` (bf16 keeps fp32
     master weights in the optimizer, as FSDP2's mixed precision does), gradient reduction in
     ``reduce_dtype``; no gradient clipping (DeepSpeed clips at norm 1.0 unless told otherwise,
-    which moves Adam's updates where |grad| is near eps); everything else at DeepSpeed's defaults."""
+    which moves Adam's updates where |grad| is near eps); ``zero_options`` in
+    ``zero_optimization`` (a mode's ``deepspeed_options``); everything else at DeepSpeed's defaults."""
     if config.batch_size % world_size:
         raise ValueError(f"deepspeed mode: batch_size={config.batch_size} must be a multiple of the "
                          f"world size {world_size} (DeepSpeed needs equal micro-batches)")
@@ -222,7 +231,7 @@ def deepspeed_config(config: WorkerConfig, world_size: int) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": config.batch_size // world_size,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 0.0,
-        "zero_optimization": {"stage": 3},
+        "zero_optimization": {"stage": 3, **(zero_options or {})},
         "bf16": {"enabled": config.param_dtype == "bfloat16"},
         "communication_data_type": {"float32": "fp32", "bfloat16": "bf16"}[config.reduce_dtype],
         "steps_per_print": 2**31 - 1,
@@ -233,7 +242,8 @@ class DeepSpeedTrainer(Trainer):
     """DeepSpeed ZeRO-3 on the same model, optimizer and batches (DS_ACCELERATOR=cpu without CUDA;
     the process group is the one already initialised, gloo here)."""
 
-    def __init__(self, model: nn.Module, corpus: CharCorpus, config: WorkerConfig) -> None:
+    def __init__(self, model: nn.Module, corpus: CharCorpus, config: WorkerConfig,
+                 zero_options: Mapping[str, Any] | None = None) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
         try:
             import deepspeed
@@ -243,13 +253,29 @@ class DeepSpeedTrainer(Trainer):
         deepspeed.utils.logger.setLevel(logging.WARNING)
         super().__init__(model, corpus, config)
         self.model, self.optimizer, *_ = deepspeed.initialize(
-            model=model, optimizer=self.optimizer, config=deepspeed_config(config, dist.get_world_size()))
+            model=model, optimizer=self.optimizer,
+            config=deepspeed_config(config, dist.get_world_size(), zero_options))
+        self.held_secondary_bytes: int | None = None
 
     def forward_backward_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         _, loss = self.model(x, y)
+        held = deepspeed_secondary_bytes(self.model.module)
+        self.held_secondary_bytes = held if self.held_secondary_bytes is None else min(held, self.held_secondary_bytes)
         self.model.backward(loss)
         self.model.step()
         return loss
+
+    def secondary_copy_bytes(self) -> int:
+        """The fewest bytes of DeepSpeed's hpZ secondary partitions this rank held after any
+        forward, the copy every step holds (DeepSpeed builds them as it releases each module's
+        weights in forward, and drops them all at the optimizer step)."""
+        return self.held_secondary_bytes or 0
+
+
+def deepspeed_secondary_bytes(module: nn.Module) -> int:
+    """Bytes of DeepSpeed's hpZ secondary partitions (``ds_secondary_tensor``) this rank holds now."""
+    tensors = [getattr(p, "ds_secondary_tensor", None) for p in module.parameters()]
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def loopback_bytes() -> int:
@@ -360,12 +386,12 @@ def run(config: WorkerConfig) -> dict[str, Any] | None:
     topology = zeropp.Topology.from_env()
     corpus = CharCorpus.shakespeare()
     models = {mode: build_model(mode, config, corpus.vocab_size, topology) for mode in config.modes}
-    trainers = {mode: trainer_class(MODES[mode])(model, corpus, config) for mode, model in models.items()}
+    trainers = {mode: build_trainer(MODES[mode], model, corpus, config, topology) for mode, model in models.items()}
     windows = {mode: Window(topology, config.wire) for mode in config.modes}
     results = train_interleaved(trainers, windows, config)
     unit_comms = time_unit_comms(models, config.unit_comm_calls) if config.unit_comm_calls else None
     mine = {mode: {**results[mode], "ledger": windows[mode].ledger_per_step(config.steps),
-                   "secondary_copy_bytes": secondary_copy_bytes(models[mode])} for mode in config.modes}
+                   "secondary_copy_bytes": trainers[mode].secondary_copy_bytes()} for mode in config.modes}
     ranks = gather_json({"modes": mine, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
     if dist.get_rank() != 0:
         return None
