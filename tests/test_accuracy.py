@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from zeropp.bench import accuracy, paired
+from zeropp.codes.quant import dequantize, quantize
 from zeropp.demo import perturb_initial_weights
 from zeropp.models import GPT, GPTConfig
 from zeropp.modes import MODES, QWZ_RELATIVE_ERROR
 from zeropp.qgz import full_precision_gradients
-from zeropp.quant import dequantize, quantize
 
 
 def _gpt() -> GPT:

@@ -25,7 +25,7 @@ import torch
 import zeropp
 from distributed import run_distributed
 from models import global_batch, make_model, rows
-from zeropp import quant, quant_triton, weightcode
+from zeropp.codes import quant, quant_triton, weightcode
 from zeropp.modes import MODES
 
 CUDA = torch.cuda.is_available()

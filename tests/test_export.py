@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from zeropp import export, quant
+from zeropp import export
 from zeropp.cli import main as zeropp_main
+from zeropp.codes import quant
 
 FP32_UNIT_ROUNDOFF = 2.0**-24
 
@@ -31,7 +32,7 @@ def _weights(seed: int, shape: tuple[int, ...], log2_magnitude: int) -> torch.Te
 
 def _within_bound(x: torch.Tensor, decoded: torch.Tensor, scale_per_element: torch.Tensor) -> bool:
     """|x - decoded| <= scale / 2, plus fp32 rounding of the division and product
-    ((2 * 127 + 1) * scale * 2**-24, see zeropp.quant.error_bound)."""
+    ((2 * 127 + 1) * scale * 2**-24, see zeropp.codes.quant.error_bound)."""
     slack = scale_per_element * (255 * FP32_UNIT_ROUNDOFF) + 2.0**-149
     return bool(((x.double() - decoded.double()).abs() <= scale_per_element.double() / 2 + slack).all())
 

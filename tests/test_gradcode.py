@@ -1,4 +1,4 @@
-"""zeropp.gradcode: qgZ's rotation, stochastic rounding, normal levels and grouped 8-bit scales,
+"""zeropp.codes.gradcode: qgZ's rotation, stochastic rounding, normal levels and grouped 8-bit scales,
 through the codec qgZ uses, against bounds derived from the code and a Hadamard matrix built
 independently here."""
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from zeropp import gradcode
-from zeropp.codec import ChunkCodec, Segment
-from zeropp.gradcode import GradientCode
+from zeropp.codes import gradcode
+from zeropp.codes.codec import ChunkCodec, Segment
+from zeropp.codes.gradcode import GradientCode
 
 BLOCK = 32
 SEGMENTS = [Segment(96, 4), Segment(40, 4)]  # three whole blocks, then one whole and a partial one

@@ -11,12 +11,12 @@ import torch.distributed as dist
 import zeropp
 from distributed import run_distributed
 from models import train_on_corpus
-from zeropp import gradcode
 from zeropp.bench.qgz_error import simulate
-from zeropp.codec import Segment
-from zeropp.gradcode import GradientCode
+from zeropp.codes import gradcode
+from zeropp.codes.codec import Segment
+from zeropp.codes.gradcode import GradientCode
+from zeropp.codes.quant import error_bound, quantize
 from zeropp.qgz import HierarchicalQuantizedReduceScatter, intra_node_send_order
-from zeropp.quant import error_bound, quantize
 from zeropp.topology import Topology, build_process_groups
 
 BLOCK = 32

@@ -26,7 +26,7 @@ import torch.distributed.fsdp
 
 import zeropp
 from distributed import run_distributed
-from zeropp.quant import error_bound, quantize
+from zeropp.codes.quant import error_bound, quantize
 
 if sys.version_info < (3, 11) or not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"):
     pytest.skip("torchtitan 0.3.0 needs Python >= 3.11 and torch >= 2.13 (it imports "

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from zeropp import quant
+from zeropp.codes import quant
 
 FORMATS = ("gguf-q8_0", "safetensors-int8")
 Q8_0_BLOCK = 32

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from zeropp.codec import ChunkCodec, Segment, payload_bytes, segments_for
-from zeropp.gradcode import GradientCode
+from zeropp.codes.codec import ChunkCodec, Segment, payload_bytes, segments_for
+from zeropp.codes.gradcode import GradientCode
 
 BLOCK_SIZE = 256
 

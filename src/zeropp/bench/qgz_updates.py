@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from zeropp.bench.qgz_error import OPTIONS, Option, _gradients, simulate
-from zeropp.codec import Segment
+from zeropp.codes.codec import Segment
 
 STEPS = 4
 """Gradients per stream: enough for a second moment that is not one step's square."""
@@ -153,7 +153,7 @@ def spared_byte_cost(spare_below: int = SPARE_BELOW) -> list[dict[str, Any]]:
     gradient bytes qgZ sends at INT4 with and without sparing them (fp32 instead of 4.125 bits)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from zeropp.codec import payload_bytes
+    from zeropp.codes.codec import payload_bytes
     from zeropp.models import GPT, GPTConfig
 
     with torch.device("meta"):

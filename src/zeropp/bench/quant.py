@@ -7,7 +7,7 @@ Two questions decide whether quantized communication pays off:
    copy. ``round_trip_vs_copy`` is the time of ``copy_`` over the time of quantize plus
    dequantize. Every width from 2 to 8 bits is timed with the torch path, the torch path under
    ``torch.compile`` (fp32 input; inductor's vectorised C++ on CPU, generated Triton on CUDA),
-   on CPU the C kernels (``zeropp.native``, the default there; 2, 4 and 8 bits), and on CUDA
+   on CPU the C kernels (``zeropp.codes.native``, the default there; 2, 4 and 8 bits), and on CUDA
    the hand-written Triton kernels.
 2. What do blocks buy? ZeRO++ (§3.1) uses a scale per block instead of one per tensor so an
    outlier only coarsens its own block; the error table compares both on Gaussian weights and
@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from zeropp import native, quant, quant_triton
-from zeropp.codec import ChunkCodec, segments_for
-from zeropp.quant import (
+from zeropp.codes import native, quant, quant_triton
+from zeropp.codes.codec import ChunkCodec, segments_for
+from zeropp.codes.quant import (
     dequantize_from,
     dequantize_packed,
     packed_numel,

@@ -48,7 +48,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from zeropp.codec import payload_bytes, segments_for
+from zeropp.codes.codec import payload_bytes, segments_for
 from zeropp.config import ZeroPPConfig
 from zeropp.plan.model import ModelShape, UnitShape
 from zeropp.plan.traffic import Precision, keeps_codes, padded_numels, secondary_copy_bytes

@@ -11,7 +11,7 @@ rank's chunk of a unit is the sum of ``ceil(d0 / G) * rest`` over its parameters
 - ZeRO-3: both gathers and the reduce-scatter run on the world.
 - HSDP: the unit is sharded inside the node; gathers and reduce-scatter run on the node, and the
   reduced shard is all-reduced across nodes.
-- qwZ: the gathers send each parameter's slice block-quantized (``zeropp.codec``'s payload).
+- qwZ: the gathers send each parameter's slice block-quantized (``zeropp.codes.codec``'s payload).
 - hpZ: the backward gather runs inside the node from the secondary copy: in full precision, or
   with qwZ as the payload rows the copy is kept as (each rank's world rows of the forward gather,
   [Note: hpZ's copy as qwZ's codes] in ``zeropp.hpz``).
@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from zeropp.codec import payload_bytes, segments_for
+from zeropp.codes.codec import payload_bytes, segments_for
 from zeropp.config import ZeroPPConfig
 from zeropp.ledger import COUNTS, GroupKind, Op
 from zeropp.plan.model import ModelShape, UnitShape

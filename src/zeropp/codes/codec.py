@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from zeropp import gradcode, native, quant, weightcode
-from zeropp.gradcode import GradientCode
-from zeropp.quant import dequantize_rows, packed_numel, quantize_rows
+from zeropp.codes import gradcode, native, quant, weightcode
+from zeropp.codes.gradcode import GradientCode
+from zeropp.codes.quant import dequantize_rows, packed_numel, quantize_rows
 
 _ALIGN = 4  # every segment starts 4-byte aligned, so packed fp32 scales can be viewed in place
 _SCALE_BYTES = 4  # fp32 scales
@@ -43,11 +43,11 @@ class Segment:
     dtype: torch.dtype | None = None
     """The slice's dtype; needed when the chunk is a byte buffer (see [Note: mixed-dtype units])."""
     asymmetric: bool = False
-    """Coded with ``zeropp.weightcode``'s asymmetric code (a scale and a center per block)
+    """Coded with ``zeropp.codes.weightcode``'s asymmetric code (a scale and a center per block)
     instead of ``quant``'s symmetric one."""
     grouped_scales: bool = False
     """Block scales as 8-bit codes under one fp32 scale per ``gradcode.SCALE_GROUP`` blocks
-    (qgZ's ``scale_bits=8``, [Note: grouped scales] in ``zeropp.gradcode``)."""
+    (qgZ's ``scale_bits=8``, [Note: grouped scales] in ``zeropp.codes.gradcode``)."""
 
     @property
     def blocks_per_scale(self) -> int:
@@ -71,8 +71,8 @@ class ChunkCodec:
 
     ``dtype`` is the chunks' dtype; ``torch.uint8`` with segments of other dtypes is byte mode
     ([Note: mixed-dtype units]), where ``numel`` counts bytes. ``code``: qgZ's lower-error block
-    code options (``zeropp.gradcode``), coded in one pass; None or plain is ``quant``'s code.
-    Segments with ``asymmetric`` are coded in one pass too, with ``zeropp.weightcode``."""
+    code options (``zeropp.codes.gradcode``), coded in one pass; None or plain is ``quant``'s code.
+    Segments with ``asymmetric`` are coded in one pass too, with ``zeropp.codes.weightcode``."""
 
     def __init__(self, segments: Sequence[Segment], block_size: int, dtype: torch.dtype,
                  code: GradientCode | None = None) -> None:
@@ -219,7 +219,7 @@ def segments_for(padded_numels: Sequence[int], quantize: Sequence[bool], group_s
                  asymmetric: bool = False, grouped_scales: bool = False) -> list[Segment]:
     """Each parameter's slice of one chunk when its padded numel is split over ``group_size``;
     ``dtypes``: each parameter's gather dtype (for units that mix dtypes); ``asymmetric``: the
-    quantized slices take ``zeropp.weightcode``'s code; ``grouped_scales``: their block scales
+    quantized slices take ``zeropp.codes.weightcode``'s code; ``grouped_scales``: their block scales
     travel as 8-bit codes (``Segment.grouped_scales``)."""
     dtypes = dtypes if dtypes is not None else [None] * len(padded_numels)
     segments = []

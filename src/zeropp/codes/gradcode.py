@@ -73,7 +73,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from zeropp import quant
+from zeropp.codes import quant
 
 ROTATIONS = ("none", "hadamard")
 ROUNDINGS = ("nearest", "stochastic")

@@ -52,7 +52,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from zeropp import native, quant_triton
+from zeropp.codes import native, quant_triton
 
 __all__ = [
     "dequantize",
@@ -80,9 +80,9 @@ INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OUTPUT_DTYPES = (*INPUT_DTYPES, torch.float64)
 _SCALE_BYTES = 4  # fp32
 KERNELS = ("auto", "native", "torch", "triton")
-"""``auto`` (the default): the C kernels (``zeropp.native``) for CPU tensors they take (2, 4 and
+"""``auto`` (the default): the C kernels (``zeropp.codes.native``) for CPU tensors they take (2, 4 and
 8 bits, fp32 and bf16, where a C compiler built them), the Triton kernels
-(``zeropp.quant_triton``) for CUDA tensors at 4 and 8 bits when Triton imports, the torch path
+(``zeropp.codes.quant_triton``) for CUDA tensors at 4 and 8 bits when Triton imports, the torch path
 for everything else; ``native``: the C kernels, and the torch path for everything else, CUDA
 included; ``torch``: always the torch path; ``triton``: the Triton kernels, and an error for
 tensors they cannot take. Every path gives the same bytes and values: the C kernels are checked
@@ -101,7 +101,7 @@ def set_kernel(name: str) -> str:
 
 
 def native_chosen() -> bool:
-    """Whether ``set_kernel`` lets CPU tensors take the C kernels (``zeropp.native``)."""
+    """Whether ``set_kernel`` lets CPU tensors take the C kernels (``zeropp.codes.native``)."""
     return _kernel in ("native", "auto")
 
 

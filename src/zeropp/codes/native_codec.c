@@ -1,8 +1,8 @@
 /* quant's symmetric block code on CPU in one pass per block: the same bytes and values as the
- * torch path of zeropp/quant.py ([Note: block code], [Note: non-finite blocks], [Note: packed
+ * torch path of zeropp/codes/quant.py ([Note: block code], [Note: non-finite blocks], [Note: packed
  * layout]), at 2, 4 and 8 bits, from and to fp32 or bf16 rows.
  *
- * Compiled on first use by zeropp/native.py (cc -O3 -march=native, no fast-math: every float
+ * Compiled on first use by zeropp/codes/native.py (cc -O3 -march=native, no fast-math: every float
  * operation is the IEEE one the torch path performs, in the same order) and called through
  * ctypes. A row is one chunk: `numel` elements, its blocks of `block_size`, the last one
  * zero-padded inside the computation; its codes cover the real elements rounded up to 4 bytes.
@@ -159,7 +159,7 @@ void zeropp_decode_rows(const uint8_t *data, int64_t data_stride, const float *s
                    (char *)rows + r * row_stride * itemsize, dtype);
 }
 
-/* A chunk codec's payload rows in one call (zeropp/codec.py, ChunkCodec): each row of `chunks`
+/* A chunk codec's payload rows in one call (zeropp/codes/codec.py, ChunkCodec): each row of `chunks`
  * is a run of segments, each quantized on its own (its codes, then its blocks' fp32 scales) or
  * copied as it is, every segment starting 4-byte aligned with zeros in the gaps. `table` holds
  * five int64 per segment: element offset in the row, elements, byte offset in the payload,

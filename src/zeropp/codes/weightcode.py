@@ -6,7 +6,7 @@ a grid that was not symmetric to begin with. The asymmetric code spans each bloc
 minimum to its maximum with all ``2**bits`` levels (the symmetric code uses ``2**bits - 1``), at
 the price of a second fp32 per block. At 4 bits and blocks of 32 its levels are those of
 llama.cpp's Q4_1 (``min + d * q``, q in 0..15), so weights dequantized from a Q4_1 file travel
-without loss. Pure tensor math, no torch.distributed; coded in ``zeropp.codec``'s one pass.
+without loss. Pure tensor math, no torch.distributed; coded in ``zeropp.codes.codec``'s one pass.
 
 [Note: asymmetric block code]
 With block minimum ``lo``, maximum ``hi`` and ``L = 2**bits - 1``: ``center = lo/2 + hi/2`` and

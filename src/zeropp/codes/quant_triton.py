@@ -1,6 +1,6 @@
-"""Triton kernels for ``zeropp.quant`` on CUDA: one pass over memory per encode and per decode.
+"""Triton kernels for ``zeropp.codes.quant`` on CUDA: one pass over memory per encode and per decode.
 
-The torch path of ``zeropp.quant`` makes about eight elementwise passes (cast, pad, amax, amin,
+The torch path of ``zeropp.codes.quant`` makes about eight elementwise passes (cast, pad, amax, amin,
 divide, round, narrow, pack); each of these kernels reads its input once and writes its output
 once. They are bit-identical to the torch path for every input, non-finite and subnormal values
 included, so a rank using them and a rank using the torch path exchange the same bytes:
@@ -28,13 +28,13 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
-except ImportError:  # CPU-only installs: zeropp.quant keeps its torch path
+except ImportError:  # CPU-only installs: zeropp.codes.quant keeps its torch path
     triton = None
 
 __all__ = ["BITS", "available", "encode_rows", "decode_rows"]
 
 BITS = (4, 8)
-"""The code widths the kernels take; ``zeropp.quant`` codes the others with its torch path."""
+"""The code widths the kernels take; ``zeropp.codes.quant`` codes the others with its torch path."""
 
 _ELEMENTS_PER_PROGRAM = 4096
 
