@@ -184,7 +184,7 @@ def test_deepspeed_json_trains_bit_for_bit_as_the_same_zeroppconfig(tmp_path) ->
     the same parameters bit for bit; Trainer runs no DeepSpeed. A WarmupDecayLR section with
     every parameter "auto" follows DeepSpeed's formula over Trainer's 4 steps and 2 warm-up
     steps. A disagreeing batch size is refused before anything trains."""
-    from zeropp.lr_schedules import warmup_decay_lr
+    from zeropp.engine.lr_schedules import warmup_decay_lr
 
     with_deepspeed = importlib.util.find_spec("deepspeed") is not None
     result = run_distributed(_deepspeed_worker, 4, str(tmp_path), with_deepspeed, env=TWO_BY_TWO, timeout=600)[0]

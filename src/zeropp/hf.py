@@ -27,13 +27,13 @@ from torch import nn
 
 from zeropp._fsdp import mark_prepared_for_accelerate
 from zeropp.config import ZeroPPConfig
+from zeropp.engine.lr_schedules import build_scheduler
 from zeropp.hf_deepspeed import (
     DeepSpeedSource,
     TrainerDeepSpeedConfig,
     complete_from_training_arguments,
     take_from_training_arguments,
 )
-from zeropp.lr_schedules import build_scheduler
 from zeropp.sharding import UnitSpec, enable, shard
 from zeropp.topology import Topology
 

@@ -18,6 +18,9 @@ and clipped, the optimizer and the schedule step.
 Timeouts: ``timeout_s`` (argument) or the environment variable ``ZEROPP_TIMEOUT_S`` sets how long
 any collective of this process waits for a peer before raising (default: the backend's, 30 min
 for gloo, 10 min for NCCL), so a dead or hung rank surfaces as an error.
+
+Beside it in this package: fp16 loss scaling (``loss_scaler``), DeepSpeed's learning-rate schedules
+(``lr_schedules``) and the random-number state a checkpoint resumes (``rng``).
 """
 
 from __future__ import annotations
@@ -40,11 +43,11 @@ from zeropp import checkpoint
 from zeropp._fsdp import set_process_group_timeouts
 from zeropp.comms import collective_timeout_s, global_grad_norm_and_overflow
 from zeropp.config import DeepSpeedConfig, parse_deepspeed
+from zeropp.engine.loss_scaler import LossScaler
+from zeropp.engine.lr_schedules import build_scheduler
+from zeropp.engine.rng import rng_state, set_rng_state
 from zeropp.ledger import comm_ledger
-from zeropp.loss_scaler import LossScaler
-from zeropp.lr_schedules import build_scheduler
 from zeropp.qgz import HierarchicalQuantizedReduceScatter
-from zeropp.rng import rng_state, set_rng_state
 from zeropp.sharding import UnitSpec, enable, shard, sharded_comms
 from zeropp.topology import Topology
 
