@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from zeropp import export
+from zeropp.checkpoint import export
 from zeropp.cli import main as zeropp_main
 from zeropp.codes import quant
 
@@ -180,7 +180,7 @@ def test_gguf_export_reads_back_within_qwz_bound(exported: dict) -> None:
     import gguf
     from gguf.quants import dequantize
 
-    from zeropp.models.smollm import gguf_name, permute_rotary_rows
+    from zeropp.checkpoint.llama_gguf import gguf_name, permute_rotary_rows
 
     state, config = exported["model"].state_dict(), exported["model"].config
     reader = gguf.GGUFReader(exported["gguf"])

@@ -33,7 +33,7 @@ COMMANDS: dict[str, Command] = {
                     "an RLHF loop (sample, reward, REINFORCE step) under ZeRO-3 and ZeRO++"),
     "plan": Command("zeropp.plan.cli", "add_arguments",
                     "predict step time and memory of every mode on a cluster; recommend a configuration"),
-    "checkpoint": Command("zeropp.checkpoint_tools", "add_arguments",
+    "checkpoint": Command("zeropp.checkpoint.tools", "add_arguments",
                           "inspect, consolidate or export (GGUF Q8_0, int8) a zeropp checkpoint"),
     "cluster": Command("zeropp.cluster.cli", "add_cluster_arguments",
                        "the emulated cluster: network namespaces + tc"),

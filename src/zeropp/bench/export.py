@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from zeropp import export
 from zeropp.bench.finetune import prepare
+from zeropp.checkpoint import export
 
 WINDOW = 256
 NUM_WINDOWS = 8
@@ -71,7 +71,8 @@ def run(out_dir: str | Path = "benchmarks/results", runs_dir: str | Path = "runs
     from gguf import GGUFReader
     from transformers import LlamaConfig
 
-    from zeropp.models.smollm import gguf_path, llama_from_gguf, llama_from_state
+    from zeropp.checkpoint.llama_gguf import gguf_path
+    from zeropp.models.smollm import llama_from_gguf, llama_from_state
 
     runs_dir = Path(runs_dir)
     prepare(runs_dir)

