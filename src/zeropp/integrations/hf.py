@@ -12,8 +12,8 @@ optimizer and schedule step the shards, and ``max_grad_norm`` clips with
 
 The ZeRO++ settings come as a ``ZeroPPConfig``, or as the user's DeepSpeed config file (a path or
 a dict as ``zeropp_config``, or ``TrainingArguments(deepspeed=...)``), read as DeepSpeed's Trainer
-integration reads it: see ``zeropp.hf_deepspeed``. TRL's trainers: ``ZeroPPGRPOTrainer`` and
-``ZeroPPSFTTrainer`` (``zeropp.hf_trl``, imported on first use, so this module needs no trl).
+integration reads it: see ``zeropp.integrations.hf_deepspeed``. TRL's trainers: ``ZeroPPGRPOTrainer`` and
+``ZeroPPSFTTrainer`` (``zeropp.integrations.hf_trl``, imported on first use, so this module needs no trl).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch import nn
 from zeropp._fsdp import mark_prepared_for_accelerate
 from zeropp.config import ZeroPPConfig
 from zeropp.engine.lr_schedules import build_scheduler
-from zeropp.hf_deepspeed import (
+from zeropp.integrations.hf_deepspeed import (
     DeepSpeedSource,
     TrainerDeepSpeedConfig,
     complete_from_training_arguments,
@@ -50,7 +50,7 @@ _TRL_TRAINERS = ("ZeroPPGRPOTrainer", "ZeroPPSFTTrainer")
 
 def __getattr__(name: str) -> Any:
     if name in _TRL_TRAINERS:
-        from zeropp import hf_trl
+        from zeropp.integrations import hf_trl
 
         return getattr(hf_trl, name)
     raise AttributeError(f"module 'zeropp.hf' has no attribute {name!r}")

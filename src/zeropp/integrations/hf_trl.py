@@ -24,7 +24,7 @@ from typing import Any
 from accelerate.utils import is_peft_model
 from torch import nn
 
-from zeropp.hf import ZeroPPRequest, ZeroPPSource, ZeroPPTrainer
+from zeropp.integrations.hf import ZeroPPRequest, ZeroPPSource, ZeroPPTrainer
 from zeropp.sharding import UnitSpec
 
 try:
