@@ -28,7 +28,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 import zeropp
 from zeropp.comms import all_gather_strings
 from zeropp.hpz import held_secondary_copy_bytes, keep_decoded_secondary_copies, secondary_copy_bytes
-from zeropp.models import GPT, GPTConfig
+from zeropp.tools.models import GPT, GPTConfig
 
 VARIANTS = {"hpz": False, "all, decoded copy": True, "all, codes": False}
 """Each variant and whether it keeps FSDP2's decoded copy."""

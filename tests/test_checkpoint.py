@@ -31,7 +31,7 @@ from models import global_batch, make_model, rows
 from zeropp import checkpoint
 from zeropp.checkpoint import CheckpointError
 from zeropp.checkpoint import tools as checkpoint_tools
-from zeropp.cli import build_parser
+from zeropp.tools.cli import build_parser
 
 TWO_BY_TWO = {"ZEROPP_RANKS_PER_NODE": "2"}
 GLOBAL_BATCH = 8

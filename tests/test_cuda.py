@@ -26,7 +26,7 @@ import zeropp
 from distributed import run_distributed
 from models import global_batch, make_model, rows
 from zeropp.codes import quant, quant_triton, weightcode
-from zeropp.modes import MODES
+from zeropp.tools.modes import MODES
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")

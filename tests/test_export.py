@@ -14,8 +14,8 @@ import torch
 
 from distributed import run_distributed
 from zeropp.checkpoint import export
-from zeropp.cli import main as zeropp_main
 from zeropp.codes import quant
+from zeropp.tools.cli import main as zeropp_main
 
 FP32_UNIT_ROUNDOFF = 2.0**-24
 
@@ -137,7 +137,7 @@ def _save_checkpoint(rank: int, world_size: int, model_file: str, directory: str
 
     import zeropp
     from zeropp.checkpoint import save
-    from zeropp.models.smollm import llama_from_state
+    from zeropp.tools.models.smollm import llama_from_state
 
     saved = torch.load(model_file, mmap=True)
     model = llama_from_state(LlamaConfig(**saved["config"]), saved["state"])
@@ -249,7 +249,7 @@ def test_llama_cpp_runs_the_export_like_the_decoded_model(exported: dict) -> Non
     import gguf
     from llama_cpp import Llama
 
-    from zeropp.models.smollm import llama_from_gguf
+    from zeropp.tools.models.smollm import llama_from_gguf
 
     ids = PROMPT_IDS
     decoded_model = llama_from_gguf(gguf.GGUFReader(exported["gguf"]))
