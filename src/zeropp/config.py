@@ -173,7 +173,7 @@ class ZeroPPConfig:
     trained, not only frozen ones): an explicit opt-in, since 2 bits leave three levels per block."""
     grad_bits_intra: int = 4
     """Bits per gradient element on qgZ's intra-node hop: 2, 4 or 8. 4 is DeepSpeed's and converged
-    the GPT within 1% of ZeRO-3 (README); 8 halves this hop's error on the fast link and leaves
+    the GPT within 1% of ZeRO-3 (docs/results.md); 8 halves this hop's error on the fast link and leaves
     the cross-node hop (the bytes qgZ exists to cut) at INT4."""
     grad_bits_inter: int = 4
     """Bits per gradient element on qgZ's inter-node hop: 2, 4 or 8."""

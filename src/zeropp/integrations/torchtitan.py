@@ -6,7 +6,7 @@ parallelisms (FSDP2 per transformer block, then the root); a training run is a
 <function>`` names on its command line, from torchtitan's own registry or any importable
 module. ``with_zeropp(config, zeropp_config)`` returns such a config whose model spec
 parallelizes as before and then adds ZeRO++ to the FSDP2 units it made, so a user's config
-module is a few lines (README, "Bring your own stack"):
+module is a few lines (README, Quick start):
 
     def llama3_8b_zeropp():
         return with_zeropp(llama3_8b(), zeropp.ZeroPPConfig(

@@ -46,6 +46,10 @@ class Mode:
     """The optimizer steps each unit in backward and the next forward's gathers start right after
     (``zeropp.optimizer_in_backward(..., gather_ahead=True)``): the training loop calls no
     ``optimizer.step()``, so only harnesses written for it take such a mode."""
+    decoded_secondary_copy: bool = False
+    """hpZ keeps FSDP2's decoded secondary copy instead of qwZ's codes
+    (``zeropp.hpz.keep_decoded_secondary_copies``): the same training bit for bit, to compare the
+    two copies' step time and memory in one run."""
 
     def config(self, ranks_per_node: int, **overrides: Any) -> ZeroPPConfig:
         """The ``ZeroPPConfig`` of this mode on nodes of ``ranks_per_node`` ranks; ``overrides``
@@ -124,6 +128,8 @@ MODES: dict[str, Mode] = {mode.name: mode for mode in (
     Mode(name="all_rotnorm", summary="all three, qgZ as in qgz_rotnorm", options={**_ALL, **_ROTNORM}, hpz=True),
     Mode(name="all_scale8", summary="all three, qgZ as in qgz_scale8", options={**_ALL, **_SCALE8}, hpz=True),
     Mode(name="all_w6", summary="all three, qwZ with 6-bit weights", options={**_ALL, "weight_bits": 6}, hpz=True),
+    Mode(name="all_decoded_copy", summary="all three, hpZ's copy decoded as FSDP2 keeps it, not as qwZ's codes",
+         options=_ALL, hpz=True, decoded_secondary_copy=True),
     Mode(name="zero3_overlap", summary="ZeRO-3, its gathers and reduce-scatters beside compute",
          options={"overlap": True}),
     Mode(name="all_overlap", summary="all three, their gathers and qgZ's cross-node hop beside compute",

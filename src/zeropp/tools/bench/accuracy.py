@@ -63,7 +63,7 @@ PASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("wide", (BASELINE, CONTROL, "all", "all_spare")),
 )
 """(setting, modes added), in the order they run. hpZ alone is not in the grid: its training is
-bit-identical to ZeRO-3's (README), so its delta is 0 on every seed."""
+bit-identical to ZeRO-3's (docs/results.md), so its delta is 0 on every seed."""
 
 
 def run(out_dir: str | Path, *, corpora: Sequence[str] = CORPORA, seeds: Sequence[int] = SEEDS,

@@ -48,7 +48,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 import zeropp
 from zeropp._fsdp import unit_layout
 from zeropp.comms import CountingAllGather, CountingReduceScatter, all_gather_strings
-from zeropp.hpz import secondary_copy_bytes
+from zeropp.hpz import keep_decoded_secondary_copies, secondary_copy_bytes
 from zeropp.ledger import COUNTS, GroupInfo, Op
 from zeropp.sharding import select_units
 from zeropp.tools.data import CharCorpus
@@ -153,6 +153,8 @@ def build_model(mode: str, config: WorkerConfig, vocab_size: int, topology: zero
         config = MODES[mode].config(topology.ranks_per_node, param_dtype=mp.param_dtype,
                                     reduce_dtype=mp.reduce_dtype)
         zeropp.shard(model, config, topology=topology)
+        if MODES[mode].decoded_secondary_copy:
+            keep_decoded_secondary_copies(model)
     return model
 
 

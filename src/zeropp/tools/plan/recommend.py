@@ -3,7 +3,7 @@
 Every candidate (ZeRO-3, HSDP, each technique, all three with each hpZ size that divides the
 node, qgZ's intra-node hop at 4 or 8 bits, 6-bit weights) is priced by the cost model; those that
 do not fit in memory drop out, and the fastest of the rest wins, unless a candidate that quantizes
-less is within ``ACCURACY_MARGIN`` of it: measured accuracy (README) is worth a few percent. Among
+less is within ``ACCURACY_MARGIN`` of it: measured accuracy (docs/results.md) is worth a few percent. Among
 candidates equally lossy and that close, the one that holds the least memory wins.
 """
 
@@ -112,8 +112,8 @@ def _reason(choice: Candidate, fastest: Candidate, baseline: Candidate, machine:
         parts.append(f"hpZ's secondary copies hold {choice.memory.secondary_copy / 1e9:.1f} GB per GPU at the "
                      "step's peak")
     if choice.config is not None and choice.config.weight_bits < 8:
-        parts.append(f"{choice.config.weight_bits}-bit weights: measured within 1% of ZeRO-3 on the GPT (README, "
-                     "accuracy); check on your model, or take the 8-bit candidate "
+        parts.append(f"{choice.config.weight_bits}-bit weights: measured within 1% of ZeRO-3 on the GPT "
+                     "(docs/results.md, accuracy); check on your model, or take the 8-bit candidate "
                      f"({_slowdown(choice, 'all (hpZ', fitting)})")
     if choice.config is not None and choice.config.hierarchical_gather:
         parts.append(f"hierarchical_gather: the weight gather crosses each node link once per chunk "
