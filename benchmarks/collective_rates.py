@@ -4,7 +4,7 @@
 
 Times the all-gather and the reduce-scatter (which gloo runs as an all-reduce) over the world
 and over one node's ranks, for 8 and 32 MB of fp32 output, and prints per call the median of
-the slowest rank, the bytes each rank sends (what ``zeropp.plan`` charges at one sending rate)
+the slowest rank, the bytes each rank sends (what ``zeropp.tools.plan`` charges at one sending rate)
 and the rate that makes. Rank 0 writes the JSON (default ``benchmarks/results/collective_rates.json``)
 that ``zeropp plan --calibrate --collective-rates`` reads.
 """

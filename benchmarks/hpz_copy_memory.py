@@ -4,7 +4,7 @@
         --mode all [--param-dtype float32]
 
 Trains the benchmark GPT (``zeropp bench step``'s 25M model, 8 x 512) on 2 nodes x 2 ranks in
-one of the bench's modes (``zeropp.modes``; one mode a run, so that no other mode's tensors
+one of the bench's modes (``zeropp.tools.modes``; one mode a run, so that no other mode's tensors
 are alive in its step): ZeRO-3, hpZ alone, all three with the secondary
 copy decoded (FSDP2's, the path before codes: ``zeropp.hpz.keep_decoded_secondary_copies``),
 all three with the copy as codes (the default), and DeepSpeed ZeRO-3 at its defaults, resharding
@@ -35,14 +35,14 @@ from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import zeropp
-from zeropp.bench.worker import WorkerConfig, deepspeed_config, deepspeed_secondary_bytes
 from zeropp.comms import all_gather_strings
 from zeropp.hpz import held_secondary_copy_bytes, keep_decoded_secondary_copies, secondary_copy_bytes
-from zeropp.models import GPT, GPTConfig
-from zeropp.modes import MODES, System
+from zeropp.tools.bench.worker import WorkerConfig, deepspeed_config, deepspeed_secondary_bytes
+from zeropp.tools.models import GPT, GPTConfig
+from zeropp.tools.modes import MODES, System
 
 COMPARED = ("zero3", "hpz", "all_decoded_copy", "all", "deepspeed", "deepspeed_reshard", "deepspeed_hpz")
-"""The modes this measures, names of ``zeropp.modes.MODES``."""
+"""The modes this measures, names of ``zeropp.tools.modes.MODES``."""
 VOCAB, CONTEXT, BATCH = 84, 64, 8  # the bench's character vocabulary, context and global batch
 RANKS_PER_NODE = 2
 

@@ -14,8 +14,8 @@ import random
 
 import torch
 
-from zeropp import quant
-from zeropp.codec import ChunkCodec, Segment
+from zeropp.codes import quant
+from zeropp.codes.codec import ChunkCodec, Segment
 
 GOLDEN = pathlib.Path(__file__).parent / "data" / "codec_golden.json"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zeropp.models import GPT, GPTConfig
+from zeropp.tools.models import GPT, GPTConfig
 
 VOCAB = 37
 CONTEXT = 12
@@ -95,7 +95,7 @@ def train_on_corpus(config, num_steps: int, rank: int, world_size: int, batch_si
     for every config), returning every step's global loss and the ledger's summary."""
     import zeropp
     from zeropp.comms import all_reduce_mean
-    from zeropp.data import CharCorpus
+    from zeropp.tools.data import CharCorpus
 
     corpus = CharCorpus.shakespeare()
     torch.manual_seed(seed)

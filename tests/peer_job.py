@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import zeropp
 from models import global_batch, make_model, rows
-from zeropp.modes import MODES
+from zeropp.tools.modes import MODES
 
 
 def main() -> None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zeropp.bench import accuracy, paired
-from zeropp.demo import perturb_initial_weights
-from zeropp.models import GPT, GPTConfig
-from zeropp.modes import MODES, QWZ_RELATIVE_ERROR
+from zeropp.codes.quant import dequantize, quantize
 from zeropp.qgz import full_precision_gradients
-from zeropp.quant import dequantize, quantize
+from zeropp.tools.bench import accuracy, paired
+from zeropp.tools.demo import perturb_initial_weights
+from zeropp.tools.models import GPT, GPTConfig
+from zeropp.tools.modes import MODES, QWZ_RELATIVE_ERROR
 
 
 def _gpt() -> GPT:
@@ -93,8 +93,8 @@ def test_update_metrics_see_what_a_code_does_to_zero_entries() -> None:
     blocks of nonzero ones), the plain code keeps them zero (round to nearest has a zero level),
     normal levels (no zero level) do not, and Adam turns what they put there into real steps;
     a spared parameter is exact, so only the quantized one's error remains."""
-    from zeropp.bench import qgz_updates
-    from zeropp.bench.qgz_error import OPTIONS
+    from zeropp.tools.bench import qgz_updates
+    from zeropp.tools.bench.qgz_error import OPTIONS
 
     world_size, numels = 4, [512, 4096]
     generator = torch.Generator().manual_seed(0)

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from zeropp.bench import comm
-from zeropp.bench.worker import WorkerConfig, build_parser, run
-from zeropp.cluster import check_support
-from zeropp.cluster.netns import list_namespaces
 from zeropp.ledger import CommLedger, GroupInfo, Op
+from zeropp.tools.bench import comm
+from zeropp.tools.bench.worker import WorkerConfig, build_parser, run
+from zeropp.tools.cluster import check_support
+from zeropp.tools.cluster.netns import list_namespaces
 from zeropp.topology import Topology
 
 TINY = WorkerConfig(modes=("zero3", "all"), warmup_steps=0, steps=1, batch_size=8, context_length=16,
@@ -144,8 +144,8 @@ def test_deepspeed_zero3_trains_like_plain_fsdp2() -> None:
 
 
 def test_deepspeed_hpz_mode_spans_the_node() -> None:
-    from zeropp.bench.worker import deepspeed_config
-    from zeropp.modes import MODES, System
+    from zeropp.tools.bench.worker import deepspeed_config
+    from zeropp.tools.modes import MODES, System
 
     assert MODES["deepspeed_hpz"].system is System.DEEPSPEED and MODES["deepspeed_hpz"].hpz
     zero = deepspeed_config(PEER, 4, MODES["deepspeed_hpz"].deepspeed_options(2))["zero_optimization"]
@@ -157,7 +157,7 @@ def test_deepspeed_hpz_mode_spans_the_node() -> None:
 
 
 def test_deepspeed_mode_needs_equal_micro_batches() -> None:
-    from zeropp.bench.worker import deepspeed_config
+    from zeropp.tools.bench.worker import deepspeed_config
 
     with pytest.raises(ValueError, match="batch_size=10 must be a multiple of the world size 4"):
         deepspeed_config(replace(PEER, batch_size=10), 4)
@@ -244,7 +244,7 @@ def test_wire_matches_the_ledger_on_the_cluster(namespaces: None) -> None:
 
 def test_step_rows_of_a_peer_without_a_ledger() -> None:
     """DeepSpeed's collectives bypass the ledger: its row says n/a, not zero bytes."""
-    from zeropp.bench import step
+    from zeropp.tools.bench import step
 
     def result(seconds: float, ledger: list | None) -> dict:
         return {"median_step_s": seconds, "ledger_per_step": ledger, "step_times_s": [seconds],

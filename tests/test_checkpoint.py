@@ -28,9 +28,10 @@ from torch.distributed.checkpoint.utils import CheckpointException
 import zeropp
 from distributed import run_distributed
 from models import global_batch, make_model, rows
-from zeropp import checkpoint, checkpoint_tools
+from zeropp import checkpoint
 from zeropp.checkpoint import CheckpointError
-from zeropp.cli import build_parser
+from zeropp.checkpoint import tools as checkpoint_tools
+from zeropp.tools.cli import build_parser
 
 TWO_BY_TWO = {"ZEROPP_RANKS_PER_NODE": "2"}
 GLOBAL_BATCH = 8

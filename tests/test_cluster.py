@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from zeropp.cluster import Cluster, ClusterError, check_support, launch, parse_bandwidth
-from zeropp.cluster.launch import script_arguments
-from zeropp.cluster.netns import CLUSTER_LOCK, list_namespaces, node_address
+from zeropp.tools.cluster import Cluster, ClusterError, check_support, launch, parse_bandwidth
+from zeropp.tools.cluster.launch import script_arguments
+from zeropp.tools.cluster.netns import CLUSTER_LOCK, list_namespaces, node_address
 
 NUMEL = 64 * 1024
 """fp32 elements each rank contributes to the all-gather (256 KiB: far above the control traffic)."""
@@ -42,7 +42,7 @@ def test_parse_bandwidth_rejects_tiny_rate() -> None:
 
 def test_script_arguments() -> None:
     assert script_arguments(["python", "train.py", "--x"]) == (sys.executable, ["train.py", "--x"])
-    assert script_arguments(["python3", "-m", "zeropp.demo"]) == (sys.executable, ["-m", "zeropp.demo"])
+    assert script_arguments(["python3", "-m", "zeropp.tools.demo"]) == (sys.executable, ["-m", "zeropp.tools.demo"])
     assert script_arguments(["/opt/env/bin/python", "t.py"]) == ("/opt/env/bin/python", ["t.py"])
     assert script_arguments(["./run.sh", "a"]) == (sys.executable, ["--no-python", "./run.sh", "a"])
     for command in ([], ["python"], ["-m"]):
@@ -145,7 +145,7 @@ def _cmdline(proc: Path) -> str:
 def test_demo_runs_under_a_slow_link_where_it_can(monkeypatch: pytest.MonkeyPatch) -> None:
     """``zeropp demo`` runs on the emulated cluster with the link asked for where the cluster can
     be built; elsewhere on local processes, saying why; a malformed rate is an error."""
-    from zeropp import demo
+    from zeropp.tools import demo
 
     assert demo.where_to_run("none") == (None, None) and demo.where_to_run("unlimited") == (None, None)
     with pytest.raises(ValueError, match="bandwidth 'fast' is not a rate"):

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import codec_golden
-from zeropp import quant
-from zeropp.codec import ChunkCodec, Segment, segments_for
-from zeropp.quant import (
+from zeropp.codes import quant
+from zeropp.codes.codec import ChunkCodec, Segment, segments_for
+from zeropp.codes.quant import (
     dequantize_packed,
     dequantize_rows,
     min_block_size,

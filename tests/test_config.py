@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from zeropp import config as config_module
+from zeropp.codes.gradcode import GradientCode
 from zeropp.config import (
     DeepSpeedConfig,
     OptimizerConfig,
@@ -23,7 +24,6 @@ from zeropp.config import (
     ZeroPPConfig,
     parse_deepspeed,
 )
-from zeropp.gradcode import GradientCode
 
 # The ZeRO++ tutorial's example (DeepSpeed docs, "DeepSpeed Configuration Changes").
 TUTORIAL_CONFIG: dict[str, Any] = {

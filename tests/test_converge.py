@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from zeropp.bench import converge
+from zeropp.tools.bench import converge
 
 STEPS = 4
 TINY = {"num_layers": 2, "embed_dim": 32, "num_heads": 2, "batch_size": 8, "context_length": 16}

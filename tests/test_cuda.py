@@ -25,8 +25,8 @@ import torch
 import zeropp
 from distributed import run_distributed
 from models import global_batch, make_model, rows
-from zeropp import quant, quant_triton, weightcode
-from zeropp.modes import MODES
+from zeropp.codes import quant, quant_triton, weightcode
+from zeropp.tools.modes import MODES
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")

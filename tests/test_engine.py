@@ -16,8 +16,8 @@ from distributed import run_distributed
 from models import global_batch, make_model, rows
 from zeropp.config import SchedulerConfig, parse_deepspeed
 from zeropp.engine import _build_optimizer, _param_groups, qgz_comms
-from zeropp.loss_scaler import LossScaler
-from zeropp.lr_schedules import WarmupSchedule, build_scheduler, schedule_formula
+from zeropp.engine.loss_scaler import LossScaler
+from zeropp.engine.lr_schedules import WarmupSchedule, build_scheduler, schedule_formula
 
 TWO_BY_TWO = {"ZEROPP_RANKS_PER_NODE": "2"}
 MICRO_BATCH = 2

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from zeropp import export, quant
-from zeropp.cli import main as zeropp_main
+from zeropp.checkpoint import export
+from zeropp.codes import quant
+from zeropp.tools.cli import main as zeropp_main
 
 FP32_UNIT_ROUNDOFF = 2.0**-24
 
@@ -31,7 +32,7 @@ def _weights(seed: int, shape: tuple[int, ...], log2_magnitude: int) -> torch.Te
 
 def _within_bound(x: torch.Tensor, decoded: torch.Tensor, scale_per_element: torch.Tensor) -> bool:
     """|x - decoded| <= scale / 2, plus fp32 rounding of the division and product
-    ((2 * 127 + 1) * scale * 2**-24, see zeropp.quant.error_bound)."""
+    ((2 * 127 + 1) * scale * 2**-24, see zeropp.codes.quant.error_bound)."""
     slack = scale_per_element * (255 * FP32_UNIT_ROUNDOFF) + 2.0**-149
     return bool(((x.double() - decoded.double()).abs() <= scale_per_element.double() / 2 + slack).all())
 
@@ -136,7 +137,7 @@ def _save_checkpoint(rank: int, world_size: int, model_file: str, directory: str
 
     import zeropp
     from zeropp.checkpoint import save
-    from zeropp.models.smollm import llama_from_state
+    from zeropp.tools.models.smollm import llama_from_state
 
     saved = torch.load(model_file, mmap=True)
     model = llama_from_state(LlamaConfig(**saved["config"]), saved["state"])
@@ -179,7 +180,7 @@ def test_gguf_export_reads_back_within_qwz_bound(exported: dict) -> None:
     import gguf
     from gguf.quants import dequantize
 
-    from zeropp.models.smollm import gguf_name, permute_rotary_rows
+    from zeropp.checkpoint.llama_gguf import gguf_name, permute_rotary_rows
 
     state, config = exported["model"].state_dict(), exported["model"].config
     reader = gguf.GGUFReader(exported["gguf"])
@@ -248,7 +249,7 @@ def test_llama_cpp_runs_the_export_like_the_decoded_model(exported: dict) -> Non
     import gguf
     from llama_cpp import Llama
 
-    from zeropp.models.smollm import llama_from_gguf
+    from zeropp.tools.models.smollm import llama_from_gguf
 
     ids = PROMPT_IDS
     decoded_model = llama_from_gguf(gguf.GGUFReader(exported["gguf"]))

@@ -22,7 +22,7 @@ from zeropp._fsdp import (
     in_backward,
     unit_layout,
 )
-from zeropp.modes import MODES, System, check_modes, parse_modes, zeropp_modes
+from zeropp.tools.modes import MODES, System, check_modes, parse_modes, zeropp_modes
 
 TWO_BY_TWO = {"ZEROPP_RANKS_PER_NODE": "2"}
 
@@ -288,12 +288,12 @@ def test_mode_lists_are_checked(text: str, message: str) -> None:
 def test_help_imports_no_torch() -> None:
     """``zeropp --help`` lists every command without importing torch (a cold start on a login
     node), and a subcommand's own ``--help`` has its options."""
-    code = ("import sys\nfrom zeropp.cli import build_parser\n"
+    code = ("import sys\nfrom zeropp.tools.cli import build_parser\n"
             "text = build_parser(['--help']).format_help()\n"
             "print('torch' in sys.modules, text)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.startswith("False")
     for name in ("demo", "bench", "converge", "finetune", "checkpoint", "cluster", "launch"):
         assert f"    {name}" in out
-    demo = subprocess.run([sys.executable, "-m", "zeropp.cli", "demo", "--help"], capture_output=True, text=True)
+    demo = subprocess.run([sys.executable, "-m", "zeropp.tools.cli", "demo", "--help"], capture_output=True, text=True)
     assert demo.returncode == 0 and "--ranks-per-node" in demo.stdout, demo.stderr

@@ -13,8 +13,8 @@ from models import VOCAB, global_batch, make_model, rows
 from test_real_models import BLOCK, _expected_gather
 from zeropp._fsdp import fsdp_units, post_forward_meshes
 from zeropp.hpz import generation_copy_bytes, held_secondary_copy_bytes
-from zeropp.models.gpt import KVCache
-from zeropp.modes import MODES
+from zeropp.tools.models.gpt import KVCache
+from zeropp.tools.modes import MODES
 
 TWO_BY_TWO = {"ZEROPP_RANKS_PER_NODE": "2"}
 
@@ -222,9 +222,9 @@ def test_bench_generate_on_the_emulated_cluster(tmp_path) -> None:
     """A tiny ``zeropp bench generate`` at unlimited bandwidth: every mode reports tokens/s, and
     in generation mode all three send at most 0.1x ZeRO-3's cross-node bytes per token (the
     weights cross once per generation, INT8), with either copy."""
-    from zeropp.bench import generate
-    from zeropp.cluster import check_support
-    from zeropp.cluster.netns import list_namespaces
+    from zeropp.tools.bench import generate
+    from zeropp.tools.cluster import check_support
+    from zeropp.tools.cluster.netns import list_namespaces
 
     reason = check_support()
     if reason is not None or list_namespaces():

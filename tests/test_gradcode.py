@@ -1,4 +1,4 @@
-"""zeropp.gradcode: qgZ's rotation, stochastic rounding, normal levels and grouped 8-bit scales,
+"""zeropp.codes.gradcode: qgZ's rotation, stochastic rounding, normal levels and grouped 8-bit scales,
 through the codec qgZ uses, against bounds derived from the code and a Hadamard matrix built
 independently here."""
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from zeropp import gradcode
-from zeropp.codec import ChunkCodec, Segment
-from zeropp.gradcode import GradientCode
+from zeropp.codes import gradcode
+from zeropp.codes.codec import ChunkCodec, Segment
+from zeropp.codes.gradcode import GradientCode
 
 BLOCK = 32
 SEGMENTS = [Segment(96, 4), Segment(40, 4)]  # three whole blocks, then one whole and a partial one
@@ -199,7 +199,7 @@ def test_simulated_two_by_two_errors_rank_the_options_as_measured() -> None:
     gradients rotation with normal levels at INT8/INT4 cuts plain INT4/INT4's relative RMS error
     to 0.56x (bound 0.60x); on Student-t (nu = 3) rotation alone cuts it to 0.48x (bound 0.55x);
     stochastic rounding's error is larger but its bias over 8 draws smaller."""
-    from zeropp.bench.qgz_error import OPTIONS, measure, synthetic_chunks
+    from zeropp.tools.bench.qgz_error import OPTIONS, measure, synthetic_chunks
 
     segments = [Segment(8192, 4)]
     gaussian = synthetic_chunks("gaussian", 2, 2, 8192)
@@ -249,7 +249,7 @@ def test_grouped_scales_halve_the_two_by_two_gaussian_error_at_the_same_bytes() 
     """``zeropp bench qgz-error``'s target on 2x2 Gaussian chunks (8192 elements here; the bench
     measures 65536): INT8/INT4 with normal levels at blocks of 64 with 8-bit scales is at most
     half of plain INT4/INT4's relative RMS error, at +0.8% cross-node bytes."""
-    from zeropp.bench.qgz_error import OPTIONS, measure, synthetic_chunks
+    from zeropp.tools.bench.qgz_error import OPTIONS, measure, synthetic_chunks
 
     gaussian = synthetic_chunks("gaussian", 2, 2, 8192)
     plain = measure(gaussian, [Segment(8192, 4)], (4, 4), OPTIONS["plain"], trials=1)["relative_rms"]

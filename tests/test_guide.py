@@ -1,4 +1,4 @@
-"""docs/guide.md holds what the code says: the generated tables equal ``zeropp.guide``'s, and every
+"""docs/guide.md holds what the code says: the generated tables equal ``zeropp.tools.guide``'s, and every
 config field, subcommand and environment variable zeropp reads is in it."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import dataclasses
 import re
 from pathlib import Path
 
-from zeropp import cli, guide
 from zeropp.config import TrainingConfig, ZeroPPConfig
+from zeropp.tools import cli, guide
 
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "guide.md"
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "zeropp"
@@ -17,7 +17,7 @@ SOURCE = Path(__file__).resolve().parents[1] / "src" / "zeropp"
 def test_the_generated_tables_are_current() -> None:
     text = GUIDE.read_text(encoding="utf-8")
     current = text[text.index(guide.BEGIN) + len(guide.BEGIN):text.index(guide.END)].strip()
-    assert current == guide.generated(), "run: python -m zeropp.guide --write docs/guide.md"
+    assert current == guide.generated(), "run: python -m zeropp.tools.guide --write docs/guide.md"
 
 
 def test_every_field_subcommand_and_environment_variable_is_in_the_guide() -> None:

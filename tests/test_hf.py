@@ -49,7 +49,7 @@ def _trainer_worker(rank: int, world_size: int, runs: list[tuple[str, bool]], ou
 
     import zeropp
     from zeropp.hf import ZeroPPTrainer
-    from zeropp.modes import MODES
+    from zeropp.tools.modes import MODES
 
     results = {}
     for mode, lora in runs:

@@ -33,7 +33,7 @@ def _arguments(**overrides):
 
 def test_auto_values_come_from_training_arguments_and_zeropp_keys_are_honoured() -> None:
     from zeropp.config import ZeroPPConfig
-    from zeropp.hf_deepspeed import complete_from_training_arguments
+    from zeropp.integrations.hf_deepspeed import complete_from_training_arguments
 
     config = {**TRAINER_KEYS_AUTO,
               "zero_optimization": {**ZEROPP_KEYS, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
@@ -54,7 +54,7 @@ def test_auto_values_come_from_training_arguments_and_zeropp_keys_are_honoured()
 
 
 def test_values_given_that_agree_are_accepted_and_bf16_sets_the_compute_dtype() -> None:
-    from zeropp.hf_deepspeed import complete_from_training_arguments
+    from zeropp.integrations.hf_deepspeed import complete_from_training_arguments
 
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3, "train_batch_size": 6,
               "gradient_clipping": 0.5, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}
@@ -62,7 +62,7 @@ def test_values_given_that_agree_are_accepted_and_bf16_sets_the_compute_dtype() 
 
 
 def test_a_disagreeing_key_names_both_values_and_the_fix() -> None:
-    from zeropp.hf_deepspeed import complete_from_training_arguments
+    from zeropp.integrations.hf_deepspeed import complete_from_training_arguments
 
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "bf16": {"enabled": True},
               "optimizer": {"type": "AdamW", "params": {"betas": [0.9, 0.999]}}, "zero_optimization": {"stage": 3}}
@@ -78,7 +78,7 @@ def test_a_disagreeing_key_names_both_values_and_the_fix() -> None:
 
 
 def test_a_scheduler_step_count_that_disagrees_with_training_is_named() -> None:
-    from zeropp.hf_deepspeed import complete_from_training_arguments
+    from zeropp.integrations.hf_deepspeed import complete_from_training_arguments
 
     config = {"zero_optimization": {"stage": 3},
               "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 50}}}
@@ -88,7 +88,7 @@ def test_a_scheduler_step_count_that_disagrees_with_training_is_named() -> None:
 
 
 def test_auto_outside_the_keys_trainer_owns_is_refused_by_name() -> None:
-    from zeropp.hf_deepspeed import complete_from_training_arguments
+    from zeropp.integrations.hf_deepspeed import complete_from_training_arguments
 
     config = {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": "auto"}}
     with pytest.raises(ValueError, match="zero_optimization.zero_hpz_partition_size='auto' is not allowed"):
@@ -184,7 +184,7 @@ def test_deepspeed_json_trains_bit_for_bit_as_the_same_zeroppconfig(tmp_path) ->
     the same parameters bit for bit; Trainer runs no DeepSpeed. A WarmupDecayLR section with
     every parameter "auto" follows DeepSpeed's formula over Trainer's 4 steps and 2 warm-up
     steps. A disagreeing batch size is refused before anything trains."""
-    from zeropp.lr_schedules import warmup_decay_lr
+    from zeropp.engine.lr_schedules import warmup_decay_lr
 
     with_deepspeed = importlib.util.find_spec("deepspeed") is not None
     result = run_distributed(_deepspeed_worker, 4, str(tmp_path), with_deepspeed, env=TWO_BY_TWO, timeout=600)[0]

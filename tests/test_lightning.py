@@ -35,7 +35,7 @@ class TinyLlama(L.LightningModule):
         from torch.distributed.fsdp import fully_shard
 
         import zeropp
-        from zeropp.modes import MODES
+        from zeropp.tools.modes import MODES
 
         config = MODES["zero3" if self.how == "zero3" else "all"].config(2)
         if self.how == "shard":

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from zeropp.data import CharCorpus, book_of_mormon_text, kjv_text, shakespeare_text
-from zeropp.models import GPT, GPTConfig
-from zeropp.models.gpt import INIT_STD
+from zeropp.tools.data import CharCorpus, book_of_mormon_text, kjv_text, shakespeare_text
+from zeropp.tools.models import GPT, GPTConfig
+from zeropp.tools.models.gpt import INIT_STD
 
 SMALL = GPTConfig(vocab_size=32, context_length=16, num_layers=2, num_heads=2, embed_dim=32)
 

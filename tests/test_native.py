@@ -1,4 +1,4 @@
-"""The C kernels of the symmetric block code (zeropp.native) against the torch path: the same
+"""The C kernels of the symmetric block code (zeropp.codes.native) against the torch path: the same
 bytes and the same decoded bits for every width they code, both row dtypes, edge sizes and
 values, strided rows and whole chunk layouts; and a machine without a compiler falls back."""
 
@@ -9,8 +9,8 @@ import torch
 
 from test_codec import _random_layouts
 from test_quant_triton import _with_kernel
-from zeropp import native, quant
-from zeropp.codec import ChunkCodec, Segment
+from zeropp.codes import native, quant
+from zeropp.codes.codec import ChunkCodec, Segment
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no C kernels: {native.unavailable_reason()}")
 SIZES = (1, 5, 31, 32, 33, 255, 256, 257, 1000, 4096 + 7, 100_003)

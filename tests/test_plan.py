@@ -1,4 +1,4 @@
-"""The cost model (``zeropp.plan``): its bytes against real gloo runs' ledgers, its calibration
+"""The cost model (``zeropp.tools.plan``): its bytes against real gloo runs' ledgers, its calibration
 on synthetic data with known constants, its predictions' structure, and its refusals."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from zeropp.bench.worker import BENCH_MODES, WorkerConfig, run
 from zeropp.ledger import COUNTS
-from zeropp.models import GPTConfig
-from zeropp.modes import MODES, System
-from zeropp.plan import calibrate, cost, emulated, memory, recommend, scale, traffic
-from zeropp.plan import model as model_shape
+from zeropp.tools.bench.worker import BENCH_MODES, WorkerConfig, run
+from zeropp.tools.models import GPTConfig
+from zeropp.tools.modes import MODES, System
+from zeropp.tools.plan import calibrate, cost, emulated, memory, recommend, scale, traffic
+from zeropp.tools.plan import model as model_shape
 from zeropp.topology import Topology
 
 TRAFFIC_JOB = WorkerConfig(modes=(*BENCH_MODES, "all_hier", "all_scale8"), warmup_steps=0, steps=1, batch_size=12,
@@ -292,7 +292,7 @@ def test_recommend_refuses_a_model_that_fits_nowhere() -> None:
     (["--calibrate", "--calibration-records", "/nonexistent.json"], "/nonexistent.json does not exist"),
 ])
 def test_plan_command_refuses_impossible_inputs(argv: list[str], message: str, capsys) -> None:
-    from zeropp.cli import build_parser
+    from zeropp.tools.cli import build_parser
 
     args = build_parser(["plan", *argv]).parse_args(["plan", *argv])
     assert args.func(args) == 2
@@ -300,7 +300,7 @@ def test_plan_command_refuses_impossible_inputs(argv: list[str], message: str, c
 
 
 def test_plan_command_prints_every_mode(capsys) -> None:
-    from zeropp.cli import build_parser
+    from zeropp.tools.cli import build_parser
 
     argv = ["plan", "--model", "gpt:4x256", "--gpus", "32", "--batch-per-gpu", "1"]
     args = build_parser(argv).parse_args(argv)

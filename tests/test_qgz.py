@@ -11,12 +11,12 @@ import torch.distributed as dist
 import zeropp
 from distributed import run_distributed
 from models import train_on_corpus
-from zeropp import gradcode
-from zeropp.bench.qgz_error import simulate
-from zeropp.codec import Segment
-from zeropp.gradcode import GradientCode
+from zeropp.codes import gradcode
+from zeropp.codes.codec import Segment
+from zeropp.codes.gradcode import GradientCode
+from zeropp.codes.quant import error_bound, quantize
 from zeropp.qgz import HierarchicalQuantizedReduceScatter, intra_node_send_order
-from zeropp.quant import error_bound, quantize
+from zeropp.tools.bench.qgz_error import simulate
 from zeropp.topology import Topology, build_process_groups
 
 BLOCK = 32
@@ -371,7 +371,7 @@ def test_qgz_trains_like_zero3_and_cuts_cross_node_gradient_bytes() -> None:
 
 
 def _order_control_worker(rank: int, world_size: int, steps: int) -> dict:
-    from zeropp.modes import MODES
+    from zeropp.tools.modes import MODES
 
     return {name: train_on_corpus(MODES[name].config(ranks_per_node=2), steps, rank, world_size)
             for name in ("zero3", "zero3_order", "qgz")}

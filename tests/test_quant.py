@@ -1,4 +1,4 @@
-"""Property tests for zeropp.quant: the per-element error bound, zero and non-finite blocks,
+"""Property tests for zeropp.codes.quant: the per-element error bound, zero and non-finite blocks,
 no clipping, the packed layout, and the vectorised chunk functions.
 
 Quantization is pure tensor math, so no process group is needed. Every decoded element is
@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zeropp.quant import (
+from zeropp.codes.quant import (
     dequantize,
     dequantize_chunks,
     dequantize_from,

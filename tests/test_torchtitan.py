@@ -26,7 +26,7 @@ import torch.distributed.fsdp
 
 import zeropp
 from distributed import run_distributed
-from zeropp.quant import error_bound, quantize
+from zeropp.codes.quant import error_bound, quantize
 
 if sys.version_info < (3, 11) or not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"):
     pytest.skip("torchtitan 0.3.0 needs Python >= 3.11 and torch >= 2.13 (it imports "
@@ -295,4 +295,4 @@ def test_only_zeropp_torchtitan_imports_torchtitan() -> None:
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
             if any(name.split(".")[0] == "torchtitan" for name in names):
                 importers.append(path.relative_to(package).as_posix())
-    assert set(importers) == {"torchtitan.py"}
+    assert set(importers) == {"integrations/torchtitan.py"}

@@ -154,7 +154,7 @@ def _trl_worker(rank: int, world_size: int, out_dir: str) -> dict:
     from trl import GRPOTrainer, SFTTrainer
 
     from zeropp.hf import ZeroPPGRPOTrainer, ZeroPPSFTTrainer
-    from zeropp.modes import MODES
+    from zeropp.tools.modes import MODES
 
     tokenizer, (prompts, texts) = tiny_tokenizer(), _datasets()
     results = {"refusals": _refusals(tiny_llama(len(tokenizer)), tokenizer, prompts, out_dir)}

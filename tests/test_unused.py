@@ -10,7 +10,7 @@ from torch import nn
 
 import zeropp
 from distributed import run_distributed
-from zeropp.modes import MODES
+from zeropp.tools.modes import MODES
 
 TWO_BY_TWO = {"ZEROPP_RANKS_PER_NODE": "2"}
 VOCAB, WIDTH, EXPERTS, TOKENS = 32, 16, 5, 6

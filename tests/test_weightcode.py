@@ -1,4 +1,4 @@
-"""The asymmetric weight code (zeropp.weightcode) through the chunk codec: bound, exact cases,
+"""The asymmetric weight code (zeropp.codes.weightcode) through the chunk codec: bound, exact cases,
 non-finite blocks, bytes, and llama.cpp's Q4_1 levels as an independent reference."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from zeropp import weightcode
-from zeropp.codec import ChunkCodec, Segment, payload_bytes, segments_for
-from zeropp.quant import min_block_size
+from zeropp.codes import weightcode
+from zeropp.codes.codec import ChunkCodec, Segment, payload_bytes, segments_for
+from zeropp.codes.quant import min_block_size
 
 ALL_BITS = tuple(range(2, 9))
 PROPERTY = settings(max_examples=10, deadline=None, derandomize=True)

@@ -20,9 +20,9 @@ from typing import Any, NoReturn
 
 import torch
 
-from zeropp.gradcode import LEVELS, ROTATIONS, ROUNDINGS, SCALE_BITS, GradientCode
-from zeropp.quant import min_block_size
-from zeropp.weightcode import CODES as WEIGHT_CODES
+from zeropp.codes.gradcode import LEVELS, ROTATIONS, ROUNDINGS, SCALE_BITS, GradientCode
+from zeropp.codes.quant import min_block_size
+from zeropp.codes.weightcode import CODES as WEIGHT_CODES
 
 logger = logging.getLogger("zeropp")
 
@@ -162,7 +162,7 @@ class ZeroPPConfig:
     """qwZ's block code: "symmetric" (levels on [-absmax, absmax], one fp32 scale per block) or
     "asymmetric" (all 2**weight_bits levels from the block's minimum to its maximum, an fp32
     scale and center per block; at 4 bits and block_size 32, llama.cpp's Q4_1 levels, so a
-    frozen base read from a Q4_1 file travels without loss). See zeropp.weightcode."""
+    frozen base read from a Q4_1 file travels without loss). See zeropp.codes.weightcode."""
     unquantized_parameters: tuple[str, ...] = ()
     """fnmatch patterns of parameter names (as ``model.named_parameters()`` spells them) that qwZ
     gathers in their own precision where it would quantize them, e.g. ``("*embed_tokens*",)``:
@@ -184,7 +184,7 @@ class ZeroPPConfig:
     """qgZ keeps each hop's quantization residual and adds it back at the next step."""
     grad_rotation: str = "none"
     """qgZ: "hadamard" rotates each whole gradient block by a randomized Hadamard matrix before
-    coding (same bytes; lower error for heavy-tailed blocks). See zeropp.gradcode."""
+    coding (same bytes; lower error for heavy-tailed blocks). See zeropp.codes.gradcode."""
     grad_rounding: str = "nearest"
     """qgZ: "stochastic" rounds gradients without bias, at twice the variance of "nearest"."""
     grad_levels: str = "uniform"
@@ -206,7 +206,7 @@ class ZeroPPConfig:
     """qgZ: 8 sends each gradient block's scale as an 8-bit code under one fp32 scale per 16
     blocks, so ``grad_block_size=64`` costs 4.156 bits per element at INT4 where blocks of 256
     with fp32 scales cost 4.125 (+0.8%), with a quarter of the elements per scale. See
-    zeropp.gradcode [Note: grouped scales]."""
+    zeropp.codes.gradcode [Note: grouped scales]."""
     overlap: bool = False
     """Run communication beside compute where FSDP2 has no streams to do it (gloo on CPU): each
     unit gathers the next ones while it computes (FSDP2's explicit prefetching, asynchronous

@@ -37,7 +37,7 @@ from zeropp._fsdp import (
     unit_layout,
     unsharded_bytes_held,
 )
-from zeropp.codec import ChunkCodec
+from zeropp.codes.codec import ChunkCodec
 from zeropp.topology import Topology
 
 GENERATION_COPIES = ("node", "full")

@@ -11,7 +11,7 @@ Every collective is counted twice:
   backend's algorithm: the figure to compare designs with.
 - ``backend_bytes`` / ``backend_cross_node_bytes``: what the backend's own algorithm sends
   from this rank, the figure the links carry. For gloo (measured on the emulated cluster, see
-  ``zeropp.bench.comm``): all-gather and all-reduce are rings over the group's ranks in order,
+  ``zeropp.tools.bench.comm``): all-gather and all-reduce are rings over the group's ranks in order,
   each rank sending ``(g - 1) c`` (all-reduce: twice that) to its successor; reduce-scatter is a
   ring all-reduce of the whole ``g c`` input, ``2 (g - 1) c``; all-to-all sends directly. A
   ring's bytes cross nodes exactly when this rank's successor is on another node. For other

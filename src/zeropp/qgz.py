@@ -1,6 +1,6 @@
 """qgZ: the gradient reduce-scatter as two quantized all-to-all hops (ZeRO++ section 3.3), an
 FSDP2 ``ReduceScatter`` comm, with optional error feedback and lower-error block codes
-(``zeropp.gradcode``: rotation, stochastic rounding, normal levels).
+(``zeropp.codes.gradcode``: rotation, stochastic rounding, normal levels).
 
 Intra-node first (the fast links carry the big exchange), then inter-node with what is left: a
 rank sends (N - 1)/N x M/D x bits/8 bytes across nodes where a bf16 ring reduce-scatter sends
@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from zeropp.codec import ChunkCodec, segments_for
+from zeropp.codes.codec import ChunkCodec, segments_for
+from zeropp.codes.gradcode import GradientCode
 from zeropp.comms import LateReduceScatter, Reduction, all_to_all, nbytes, reduction_of
-from zeropp.gradcode import GradientCode
 from zeropp.ledger import CommLedger
 from zeropp.topology import ProcessGroups
 

@@ -1,7 +1,7 @@
 """qwZ: the quantized weight all-gather (ZeRO++ section 3.1), an FSDP2 ``AllGather`` comm.
 
 Each rank's chunk of a unit's flat parameter buffer travels block-quantized (data and scales
-in one uint8 payload, see ``zeropp.codec``), and every rank's chunk, its own included, is
+in one uint8 payload, see ``zeropp.codes.codec``), and every rank's chunk, its own included, is
 decoded into the output, so all ranks compute with the same weights: ``dequantize(quantize(
 shard))`` of every shard. FSDP2 calls the same comm for the backward all-gather. With hpZ the
 secondary copy that gather reads is kept as the payload rows the forward received, and travels
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from zeropp._fsdp import AllGather, UnitLayout
-from zeropp.codec import ChunkCodec, segments_for
+from zeropp.codes.codec import ChunkCodec, segments_for
 from zeropp.comms import Completion, GatherAhead, RecordedComm, Started, all_gather, buffered
 from zeropp.ledger import CommLedger, GroupKind
 from zeropp.topology import ProcessGroups, Topology
@@ -60,7 +60,7 @@ class QuantizedAllGather(RecordedComm, GatherAhead, AllGather):
     Each parameter's slice is quantized on its own (a scale never spans two tensors).
     ``quantized`` says which parameters are (all of them for qwZ; the frozen ones for quantized
     non-trainable weights); the others travel in their own precision inside the same payload.
-    ``asymmetric`` codes them with ``zeropp.weightcode`` instead of ``quant``'s symmetric code.
+    ``asymmetric`` codes them with ``zeropp.codes.weightcode`` instead of ``quant``'s symmetric code.
     ``dtypes`` are the parameters' gather dtypes: a unit that mixes them is gathered by FSDP2 as
     bytes, and coded per parameter in its own dtype ([Note: mixed-dtype units]). With
     ``two_hop`` (the process groups) a gather over the world runs in two hops ([Note: two-hop

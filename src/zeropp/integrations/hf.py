@@ -1,0 +1,171 @@
+"""HF ``transformers.Trainer`` (and TRL's trainers) on a zeropp-sharded model.
+
+Trainer reaches FSDP2 through accelerate's FSDP plugin, which accelerate enables on GPUs and other
+accelerators but not for CPU processes (gloo), and whose units it shards with its own settings.
+So zeropp shards the model itself and hands Trainer a model that is already distributed:
+``ZeroPPTrainer`` shards (``zeropp.shard``, or ``zeropp.enable`` on a model that is already an
+``FSDPModule``) before Trainer sees the model, and tells accelerate not to wrap it in DDP, which
+would all-reduce gradients FSDP2 already reduced (accelerate refuses DTensor parameters under DDP
+anyway). Everything else is Trainer's own: its data loaders give each rank its rows, its
+optimizer and schedule step the shards, and ``max_grad_norm`` clips with
+``torch.nn.utils.clip_grad_norm_``, which reduces the norm of sharded gradients over the ranks.
+
+The ZeRO++ settings come as a ``ZeroPPConfig``, or as the user's DeepSpeed config file (a path or
+a dict as ``zeropp_config``, or ``TrainingArguments(deepspeed=...)``), read as DeepSpeed's Trainer
+integration reads it: see ``zeropp.integrations.hf_deepspeed``. TRL's trainers: ``ZeroPPGRPOTrainer`` and
+``ZeroPPSFTTrainer`` (``zeropp.integrations.hf_trl``, imported on first use, so this module needs no trl).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeropp._fsdp import mark_prepared_for_accelerate
+from zeropp.config import ZeroPPConfig
+from zeropp.engine.lr_schedules import build_scheduler
+from zeropp.integrations.hf_deepspeed import (
+    DeepSpeedSource,
+    TrainerDeepSpeedConfig,
+    complete_from_training_arguments,
+    take_from_training_arguments,
+)
+from zeropp.sharding import UnitSpec, enable, shard
+from zeropp.topology import Topology
+
+try:
+    from transformers import Trainer, TrainingArguments
+except ImportError as error:  # pragma: no cover - exercised only without the extra installed
+    raise ImportError("zeropp.hf needs transformers: pip install 'zeropp[hf]'") from error
+
+ZeroPPSource = ZeroPPConfig | DeepSpeedSource
+"""What ``zeropp_config`` takes: a ``ZeroPPConfig``, or a DeepSpeed config (a dict or a JSON path)."""
+
+_TRL_TRAINERS = ("ZeroPPGRPOTrainer", "ZeroPPSFTTrainer")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TRL_TRAINERS:
+        from zeropp.integrations import hf_trl
+
+        return getattr(hf_trl, name)
+    raise AttributeError(f"module 'zeropp.hf' has no attribute {name!r}")
+
+
+def prepare_model(model: nn.Module, config: ZeroPPConfig | None = None, *, topology: Topology | None = None,
+                  units: UnitSpec | None = None) -> nn.Module:
+    """Shard ``model`` with zeropp (or add ZeRO++ to a model already sharded with ``fully_shard``)
+    and mark it as distributed for accelerate, so Trainer uses it as it is."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        enable(model, config, topology=topology)
+    else:
+        shard(sharding_root(model), config, topology=topology, units=units)
+    mark_prepared_for_accelerate(model)
+    return model
+
+
+def sharding_root(model: nn.Module) -> nn.Module:
+    """[Note: a PEFT model's sharding root]
+    FSDP2 gathers the root unit's parameters (a causal LM's embedding, final norm and head) in the
+    root's forward hooks. A PEFT model's ``generate`` runs its base model's ``generate``, which
+    calls the base model, not the PEFT wrapper: with the wrapper as root those parameters would
+    stay sharded there ("mixed torch.Tensor and DTensor"). So when the base model holds every
+    parameter of the PEFT model (LoRA and the other adapters injected into its layers), the base
+    model is the root: the wrapper's forward and ``generate`` both run through its hooks. A model
+    with parameters of its own outside (prompt learning) is sharded as a whole."""
+    get_base_model = getattr(model, "get_base_model", None)
+    if not callable(get_base_model):
+        return model
+    base = get_base_model()
+    inside = {id(p) for p in base.parameters()}
+    return base if all(id(p) in inside for p in model.parameters()) else model
+
+
+@dataclass(frozen=True)
+class ZeroPPRequest:
+    """The zeropp arguments a trainer was given, held until ``TrainingArguments`` are final."""
+
+    config: ZeroPPConfig | None
+    deepspeed: DeepSpeedSource | None
+    """A DeepSpeed config (from ``zeropp_config`` or ``TrainingArguments.deepspeed``), if given."""
+    units: UnitSpec | None
+
+    @classmethod
+    def take(cls, args: Any, zeropp_config: ZeroPPSource | None, units: UnitSpec | None) -> ZeroPPRequest:
+        """Read ``zeropp_config`` and ``args.deepspeed`` (then cleared from ``args``: see
+        [Note: clearing TrainingArguments.deepspeed]); at most one of them may be given."""
+        if zeropp_config is not None and not isinstance(zeropp_config, (ZeroPPConfig, dict, str, os.PathLike)):
+            raise TypeError(f"zeropp_config={zeropp_config!r} is a {type(zeropp_config).__name__}; expected a "
+                            "ZeroPPConfig, or a DeepSpeed config as a dict or the path of a JSON file")
+        in_args = getattr(args, "deepspeed", None)
+        if zeropp_config is not None and in_args:
+            raise ValueError(f"zeropp_config={zeropp_config!r} and TrainingArguments deepspeed={in_args!r} are both "
+                             "given; give the ZeRO++ settings once: drop one of them")
+        in_args = take_from_training_arguments(args)
+        if zeropp_config is None or isinstance(zeropp_config, ZeroPPConfig):
+            return cls(zeropp_config, in_args, units)
+        return cls(None, zeropp_config, units)
+
+    def resolve(self, args: Any) -> TrainerDeepSpeedConfig:
+        """The settings to train with: the ``ZeroPPConfig``, or the DeepSpeed config completed
+        from (and checked against) ``args``."""
+        if self.deepspeed is None:
+            return TrainerDeepSpeedConfig(zeropp=self.config or ZeroPPConfig(), optimizer=None, scheduler=None)
+        return complete_from_training_arguments(self.deepspeed, args)
+
+
+class ZeroPPTrainer(Trainer):
+    """``transformers.Trainer`` whose model is sharded by zeropp.
+
+    ``zeropp_config``: a ``ZeroPPConfig``, or a DeepSpeed config (a dict or the path of a JSON
+    file) whose ZeRO++ keys are honoured and whose Trainer-owned keys ("auto" or agreeing with
+    ``TrainingArguments``) are checked; or leave it out and set ``TrainingArguments(deepspeed=...)``.
+    A DeepSpeed ``optimizer`` or ``scheduler`` section is what Trainer builds, as under
+    DeepSpeed. ``zeropp_units``: the modules to shard as units (default the repeated blocks).
+    ``self.zeropp_config`` is the ``ZeroPPConfig`` the model was sharded with.
+    """
+
+    def __init__(self, model: nn.Module | None = None, args: TrainingArguments | None = None, *more: Any,
+                 zeropp_config: ZeroPPSource | None = None, zeropp_units: UnitSpec | None = None,
+                 **kwargs: Any) -> None:
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"{type(self).__name__} needs the model as an nn.Module to shard; got {model!r} "
+                             "(model_init is not supported)")
+        request = vars(self).pop("_zeropp_request", None)  # left by a TRL subclass: [Note: zeropp in a TRL trainer]
+        if request is None:
+            request = ZeroPPRequest.take(args, zeropp_config, zeropp_units)
+        args = args if args is not None else TrainingArguments(output_dir="tmp_trainer")  # Trainer's default
+        self._zeropp_settings = request.resolve(args)
+        self.zeropp_config = self._zeropp_settings.zeropp
+        prepare_model(model, self.zeropp_config, units=request.units)
+        super().__init__(model, args, *more, **kwargs)
+        if self._zeropp_settings.optimizer is not None and self.optimizer is not None:
+            raise ValueError(f"the DeepSpeed config has an optimizer section ({self._zeropp_settings.optimizer.type}) "
+                             f"and optimizers=({type(self.optimizer).__name__}, ...) was given; drop one of them")
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """The DeepSpeed config's optimizer over every trainable parameter (as DeepSpeed builds
+        it) when the config has one; else Trainer's (``optim``)."""
+        section = self._zeropp_settings.optimizer
+        if section is None or self.optimizer is not None:
+            return super().create_optimizer(model)
+        trainable = [p for p in (self.model if model is None else model).parameters() if p.requires_grad]
+        self.optimizer = getattr(torch.optim, section.torch_class_name)(trainable, **section.torch_kwargs())
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """The DeepSpeed config's schedule (its ``"auto"`` step counts from ``num_training_steps``
+        and the warm-up steps of ``TrainingArguments``) when the config has one; else Trainer's."""
+        if self._zeropp_settings.scheduler is None or self.lr_scheduler is not None:
+            return super().create_scheduler(num_training_steps, optimizer)
+        warmup_steps = self.args.get_warmup_steps(num_training_steps)
+        config = self._zeropp_settings.scheduler_config(num_training_steps, warmup_steps)
+        self.lr_scheduler = build_scheduler(config, self.optimizer if optimizer is None else optimizer)
+        self._created_lr_scheduler = True  # Trainer's own flag: a later train() builds the schedule again
+        return self.lr_scheduler

@@ -1,0 +1,236 @@
+"""``zeropp accuracy``: does ZeRO++ cost accuracy, and how much? A verdict per technique that
+separates its cost from the drift any perturbation causes in a short training run.
+
+The grid: cells of (corpus, model setting); in each cell, seeds; for each seed, ZeRO-3, the
+perturbation controls and the techniques, every run from the same initial weights on the same
+batches (``zeropp converge``, one folder per cell and seed, resumable: a rerun trains only what
+is missing). Runs go in passes, the most telling first (the default ``all`` and its control on
+every corpus, then the single techniques, ...), seeds in the outer loop, so that a grid cut off
+midway leaves every cell with about as many seeds as the others.
+
+The verdict (zeropp.tools.bench.paired [Note: paired verdict]) is written after every run to ``<out>/accuracy.json``,
+``accuracy.png`` and ``accuracy.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from zeropp.tools.bench import converge
+from zeropp.tools.bench.paired import CONTROL, mean, std, summary, verdict
+from zeropp.tools.modes import BASELINE
+
+ORDER_CONTROL = "zero3_order"
+"""The second control ([Note: perturbation controls] in zeropp.tools.modes): the drift of the smallest
+perturbation there is; every mode is paired with ``CONTROL``, whose perturbation is of qwZ's size."""
+CORPORA = ("shakespeare", "kjv", "mormon")
+SEEDS = (0, 1, 2, 3, 4)
+STEPS = 300
+"""Per run: the demo's default length; the grid's 150+ runs take 3 minutes each at the demo size on
+2 shared cores (1000 steps, as ``zeropp converge`` takes by default, would take 10)."""
+
+ATTEMPTS = 3
+"""Tries per cell and seed: a job that dies (a gloo rank aborting at exit, after its last step,
+was seen once in the grid's trial runs) is run again rather than ending the grid."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setting:
+    """A model and learning rate the grid trains, with the modes it runs there."""
+
+    name: str
+    training: dict[str, Any] = field(default_factory=dict)
+    """``DemoConfig`` fields over ``zeropp converge``'s (batch 64, lr 1e-3, the demo's 4 x 128 GPT)."""
+
+
+SETTINGS = {setting.name: setting for setting in (
+    Setting(name="demo"),
+    Setting(name="wide", training={"num_layers": 6, "embed_dim": 192, "num_heads": 6, "lr": 6e-4}),
+    Setting(name="narrow", training={"num_layers": 4, "embed_dim": 96, "num_heads": 3, "lr": 2e-3}),
+)}
+"""``narrow``'s rows of 96 share blocks of 64 with their neighbours, where the normal levels of
+``all_scale8`` put nonzero values on exact-zero entries (``zeropp bench qgz-error``'s updates)."""
+PASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("demo", (BASELINE, CONTROL, "all")),
+    ("narrow", (BASELINE, CONTROL, "all", "all_scale8")),
+    ("demo", ("qwz", "qgz", ORDER_CONTROL)),
+    ("demo", ("all_spare",)),
+    ("wide", (BASELINE, CONTROL, "all", "all_spare")),
+)
+"""(setting, modes added), in the order they run. hpZ alone is not in the grid: its training is
+bit-identical to ZeRO-3's (docs/results.md), so its delta is 0 on every seed."""
+
+
+def run(out_dir: str | Path, *, corpora: Sequence[str] = CORPORA, seeds: Sequence[int] = SEEDS,
+        passes: Sequence[tuple[str, tuple[str, ...]]] = PASSES, steps: int = STEPS,
+        runs_dir: str | Path = "runs/accuracy", eval_batches: int = 8) -> dict[str, Any]:
+    """Train every missing run of the grid, pass by pass, rewriting the verdict after each cell."""
+    out_dir = Path(out_dir)
+    modes: dict[str, list[str]] = {}
+    for setting_name, added in passes:
+        chosen = modes.setdefault(setting_name, [])
+        chosen += [name for name in added if name not in chosen]
+        for seed in seeds:
+            for corpus in corpora:
+                cell = f"{corpus}_{setting_name}"
+                for attempt in range(ATTEMPTS):  # converge.run resumes: a retry trains only what is missing
+                    try:
+                        converge.run(out_dir / cell / f"seed_{seed}", steps=steps, modes=tuple(chosen),
+                                     eval_every=steps // 3, eval_batches=eval_batches, reference=False,
+                                     runs_dir=Path(runs_dir) / cell / f"seed_{seed}", seed=seed, corpus=corpus,
+                                     **SETTINGS[setting_name].training)
+                        break
+                    except RuntimeError as error:
+                        print(f"{cell} seed {seed}, attempt {attempt + 1} of {ATTEMPTS}: {error}", flush=True)
+                report(out_dir)
+    return report(out_dir)
+
+
+def report(out_dir: str | Path) -> dict[str, Any]:
+    """The verdict of every cell and seed found under ``out_dir``: JSON, PNG and markdown."""
+    out_dir = Path(out_dir)
+    cells = {}
+    for cell_dir in sorted(p for p in out_dir.iterdir() if p.is_dir()):
+        per_seed = dict(sorted((int(p.name.removeprefix("seed_")), json.loads((p / "converge.json").read_text()))
+                               for p in cell_dir.glob("seed_*") if (p / "converge.json").exists()))
+        if per_seed:
+            cells[cell_dir.name] = cell_verdict(per_seed)
+    result = {"control": CONTROL, "cells": cells, "pooled": pooled_verdict(cells)}
+    (out_dir / "accuracy.json").write_text(json.dumps(result, indent=1))
+    (out_dir / "accuracy.md").write_text(table(result) + "\n")
+    plot(out_dir / "accuracy.png", result)
+    return result
+
+
+def paired_deltas(per_seed: dict[int, dict[str, Any]], name: str) -> dict[int, float]:
+    """Per seed where both ran: the final validation loss of ``name`` against ZeRO-3's, in percent."""
+    deltas = {}
+    for seed, results in sorted(per_seed.items()):
+        modes = results["modes"]
+        if name in modes and BASELINE in modes:
+            baseline = modes[BASELINE]["final_val_loss"]
+            deltas[seed] = 100 * (modes[name]["final_val_loss"] - baseline) / baseline
+    return deltas
+
+
+def cell_verdict(per_seed: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """One cell: its settings, ZeRO-3's spread over seeds, and per mode its paired deltas, the
+    control's, and the verdict on their difference (zeropp.tools.bench.paired [Note: paired verdict])."""
+    first = per_seed[min(per_seed)]
+    names = list(dict.fromkeys(name for results in per_seed.values() for name in results["modes"]))
+    control = paired_deltas(per_seed, CONTROL)
+    baseline = [r["modes"][BASELINE]["final_val_loss"] for r in per_seed.values() if BASELINE in r["modes"]]
+    modes = {}
+    for name in names:
+        if name == BASELINE:
+            continue
+        deltas = paired_deltas(per_seed, name)
+        modes[name] = {"deltas_percent": deltas, "control_deltas_percent": {k: control[k] for k in deltas
+                                                                             if k in control},
+                       **summary(list(deltas.values())),
+                       "vs_control": verdict([deltas[k] - control[k] for k in deltas if k in control])}
+    settings = {key: value for key, value in first["settings"].items() if key != "seed"}
+    return {"settings": settings, "seeds": sorted(per_seed), "zero3_final_val_losses": baseline,
+            "zero3_seed_spread_percent": 100 * std(baseline) / mean(baseline) if len(baseline) > 1 else None,
+            "modes": modes}
+
+
+def pooled_verdict(cells: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per mode, every (cell, seed) pair of every cell pooled: the paired verdict over all corpora
+    and settings, and the verdict on the mode's deltas alone (against 0: tighter by about sqrt(2)
+    where the control's deltas average 0, which the control's own row tests)."""
+    differences: dict[str, list[float]] = {}
+    deltas: dict[str, list[float]] = {}
+    for cell in cells.values():
+        for name, entry in cell["modes"].items():
+            control = entry["control_deltas_percent"]
+            differences.setdefault(name, []).extend(entry["deltas_percent"][k] - control[k] for k in control)
+            deltas.setdefault(name, []).extend(entry["deltas_percent"].values())
+    return {name: {"vs_control": verdict(differences[name]), "delta_alone": verdict(deltas[name])}
+            for name in differences}
+
+
+def table(result: dict[str, Any]) -> str:
+    """Markdown: per mode and cell, the mean paired delta ± standard error, the control's, and the verdict."""
+    lines = [f"Δ: final validation loss against ZeRO-3 on the same seed, mean ± standard error; "
+             f"verdict: the mode's Δ minus the control's ({CONTROL}) per seed, 95% t interval", "",
+             "| cell | seeds | ZeRO-3 seed spread | mode | Δ | control Δ | verdict |",
+             "|---|---:|---:|---|---:|---:|---|"]
+    for cell_name, cell in result["cells"].items():
+        spread = cell["zero3_seed_spread_percent"]
+        control = summary(list(cell["modes"].get(CONTROL, {}).get("deltas_percent", {}).values()))
+        for name, entry in cell["modes"].items():
+            if name == CONTROL:
+                continue
+            lines.append(f"| {cell_name} | {entry['n']} | {'—' if spread is None else f'{spread:.2f}%'} | {name} | "
+                         f"{_pm(entry)} | {_pm(control)} | {entry['vs_control']['text']} |")
+    lines += ["", "Pooled over every cell and seed:", "",
+              f"| mode | pairs | Δ minus {CONTROL}'s Δ (the verdict) | Δ alone, against 0 |", "|---|---:|---|---|"]
+    lines += [f"| {name} | {entry['vs_control']['n']} | {'—' if name == CONTROL else entry['vs_control']['text']} | "
+              f"{entry['delta_alone']['text']} |" for name, entry in result["pooled"].items()]
+    return "\n".join(lines)
+
+
+def _pm(entry: dict[str, Any]) -> str:
+    if entry.get("mean_percent") is None:
+        return "—"
+    error = entry.get("standard_error_percent")
+    return f"{entry['mean_percent']:+.2f}%" + ("" if error is None else f" ± {error:.2f}")
+
+
+def plot(path: Path, result: dict[str, Any]) -> None:
+    """Per cell, each mode's paired delta minus the control's: dots per seed, mean and 95% interval."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = list(result["cells"].items())
+    if not cells:
+        return
+    fig, axes = plt.subplots(1, len(cells), figsize=(3.2 * len(cells) + 1, 4), sharey=True, squeeze=False)
+    for ax, (cell_name, cell) in zip(axes[0], cells):
+        names = [name for name in cell["modes"] if name != CONTROL]
+        for i, name in enumerate(names):
+            entry = cell["modes"][name]["vs_control"]
+            ax.plot([i] * entry["n"], entry["differences_percent"], "k.", ms=5)
+            if entry["interval_percent"] is not None:
+                low, high = entry["interval_percent"]
+                mean = entry["mean_percent"]
+                ax.errorbar(i, mean, yerr=[[mean - low], [high - mean]], fmt="o", color=f"C{i}", capsize=4)
+        ax.axhline(0, color="k", lw=0.8)
+        ax.axhspan(-0.3, 0.3, color="grey", alpha=0.15)
+        ax.set_xticks(range(len(names)), names, rotation=30, fontsize=8)
+        ax.set_title(f"{cell_name} ({len(cell['seeds'])} seeds)", fontsize=9)
+    axes[0][0].set_ylabel(f"Δ val loss vs ZeRO-3 minus {CONTROL}'s (%)")
+    fig.suptitle("paired cost per seed (dots), mean and 95% interval; grey: ±0.3%", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``zeropp accuracy`` options."""
+    parser.add_argument("--out", default="benchmarks/results/accuracy")
+    parser.add_argument("--runs", default="runs/accuracy", help="per-run directories")
+    parser.add_argument("--seeds", type=lambda text: [int(k) for k in text.split(",")], default=list(SEEDS))
+    parser.add_argument("--corpora", type=lambda text: text.split(","), default=list(CORPORA))
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--report-only", action="store_true", help="write the verdict of the runs found, train none")
+    parser.set_defaults(func=run_from_args)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """``zeropp accuracy``: the grid (or only its report)."""
+    if args.report_only:
+        result = report(args.out)
+    else:
+        result = run(args.out, corpora=args.corpora, seeds=args.seeds, steps=args.steps, runs_dir=args.runs)
+    print(table(result))
+    return 0
+

@@ -1,0 +1,263 @@
+"""The demo job: train the char-level GPT on Shakespeare with zeropp, one process per rank.
+
+Run under torchrun (``zeropp demo`` launches it, on the emulated cluster with a slow inter-node
+link where it can be built, on local processes otherwise): the same code path for 1 and N ranks. Each
+rank takes its rows of the same global batch; rank 0 logs the global loss, writes
+``metrics.jsonl`` and a loss-curve PNG into the run directory, and prints the ledger's table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import zeropp
+from zeropp.comms import all_gather_strings, all_reduce_mean
+from zeropp.tools.cluster import check_support, launch, parse_bandwidth
+from zeropp.tools.cluster.launch import launch_local
+from zeropp.tools.data import CharCorpus
+from zeropp.tools.jobs import run_rank_job
+from zeropp.tools.models import GPT, GPTConfig
+from zeropp.tools.modes import BASELINE, MODES, check_modes, parse_modes, zeropp_modes
+
+DEFAULT_LINK = "100mbit"
+"""The inter-node link ``zeropp demo`` emulates by default: where ZeRO++'s cut in bytes shows."""
+LOCAL_STEPS, LINK_STEPS = 300, 150
+"""Default steps per mode: on local processes, and under the slow link (where a ZeRO-3 step
+waits on the network), so that ``make demo`` stays within minutes."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoConfig:
+    """One demo run. Defaults train in a few minutes on 4 CPU ranks."""
+
+    mode: str = "zero3"
+    """A mode of ``zeropp.tools.modes`` that zeropp trains (``zeropp_modes()``)."""
+    steps: int = 300
+    """Optimizer steps."""
+    batch_size: int = 32
+    """Global batch (sequences), split evenly over the ranks."""
+    context_length: int = 64
+    """Characters per sequence."""
+    num_layers: int = 4
+    embed_dim: int = 128
+    num_heads: int = 4
+    lr: float = 3e-3
+    """Learning rate (cosine decay to 10% over the run, no warm-up)."""
+    optimizer: str = "adamw"
+    """"adamw" (weight decay 0) or "sgd" (momentum 0.9, for how qgZ's error feedback fares without
+    Adam's per-coordinate scaling)."""
+    corpus: str = "shakespeare"
+    """A corpus of ``zeropp.tools.data.CORPORA``: "shakespeare", "kjv" (the King James Bible) or "mormon"
+    (the Book of Mormon)."""
+    eval_every: int = 50
+    """Steps between validation losses (and at the last step)."""
+    eval_batches: int = 4
+    seed: int = 0
+    """Model init and data order; every mode with the same seed sees the same batches."""
+
+
+def train(config: DemoConfig, run_dir: Path) -> list[dict]:
+    """Train on this rank; returns the metric records (rank 0 also writes them, with the
+    communication of every rank summed)."""
+    check_modes([config.mode], zeropp_modes())
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if config.batch_size % world_size:
+        raise ValueError(f"batch_size={config.batch_size} must be a multiple of the world size {world_size}")
+    corpus = CharCorpus.named(config.corpus)
+    torch.manual_seed(config.seed)
+    model = GPT(GPTConfig(vocab_size=corpus.vocab_size, context_length=config.context_length,
+                          num_layers=config.num_layers, num_heads=config.num_heads,
+                          embed_dim=config.embed_dim))
+    perturb_initial_weights(model, MODES[config.mode].initial_weight_noise, config.seed)
+    topology = zeropp.Topology.from_env()
+    zeropp.shard(model, MODES[config.mode].config(topology.ranks_per_node), topology=topology)
+    optimizer = build_optimizer(model, config)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, config.steps, eta_min=config.lr / 10)
+    local = slice(rank * config.batch_size // world_size, (rank + 1) * config.batch_size // world_size)
+    ledger = zeropp.comm_ledger()
+    ledger.reset()
+    records, started = [], time.perf_counter()
+    for step in tqdm(range(config.steps), disable=rank != 0, desc=f"{config.mode} training", unit="step"):
+        x, y = corpus.batch_at("train", step, config.batch_size, config.context_length, config.seed)
+        _, loss = model(x[local], y[local])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        schedule.step()
+        ledger.step()
+        with ledger.suspended():
+            record = {"step": step + 1, "loss": all_reduce_mean(loss.detach(), topology),
+                      "elapsed_s": time.perf_counter() - started}
+            if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
+                record["val_loss"] = evaluate(model, corpus, config, local, topology)
+        records.append(record)
+    every_rank = [json.loads(text) for text in all_gather_strings(json.dumps(ledger.export()))]
+    if rank == 0:
+        write_outputs(run_dir, config, records, zeropp.CommLedger.combined(every_rank))
+    return records
+
+
+@torch.no_grad()
+def perturb_initial_weights(model: torch.nn.Module, relative_noise: float, seed: int) -> None:
+    """Multiply every weight matrix (parameters of 2 or more dims) by (1 + relative_noise x N(0, 1)),
+    elementwise, with noise drawn from ``seed`` alone, so every rank draws the same
+    (zeropp.tools.modes [Note: perturbation controls]). Nothing changes when ``relative_noise`` is 0."""
+    if relative_noise == 0:
+        return
+    generator = torch.Generator().manual_seed(seed + 7919)  # apart from the init's and the data's streams
+    for parameter in model.parameters():
+        if parameter.dim() >= 2:
+            noise = torch.randn(parameter.shape, generator=generator).to(parameter.device, parameter.dtype)
+            parameter.mul_(noise.mul_(relative_noise).add_(1))
+
+
+@torch.no_grad()
+def build_optimizer(model: torch.nn.Module, config: DemoConfig) -> torch.optim.Optimizer:
+    """The run's optimizer over ``model``'s parameters (sharded or not)."""
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
+    raise ValueError(f"optimizer={config.optimizer!r} is not allowed; allowed: adamw, sgd")
+
+
+def evaluate(model: torch.nn.Module, corpus: CharCorpus, config: DemoConfig, local: slice,
+             topology: zeropp.Topology) -> float:
+    """Mean validation loss over fixed batches (the same for every mode and step)."""
+    losses = []
+    for i in range(config.eval_batches):
+        x, y = corpus.batch_at("val", i, config.batch_size, config.context_length, config.seed)
+        losses.append(all_reduce_mean(model(x[local], y[local])[1], topology))
+    return sum(losses) / len(losses)
+
+
+def write_outputs(run_dir: Path, config: DemoConfig, records: list[dict], ledger: zeropp.CommLedger) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(asdict(config), indent=2))
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+    (run_dir / "comm.json").write_text(json.dumps(ledger.summary(), indent=2))
+    plot_losses(run_dir / "loss.png", {config.mode: records})
+    last = records[-1]
+    print(f"\nfinal train loss {last['loss']:.4f}, validation loss {last.get('val_loss', float('nan')):.4f}, "
+          f"{last['elapsed_s'] / len(records):.3f} s/step")
+    print(ledger.table())
+    print(f"\nwrote {run_dir}/metrics.jsonl, loss.png, comm.json")
+
+
+def plot_losses(path: Path, runs: dict[str, list[dict]]) -> None:
+    """Train (line) and validation (markers) loss per step, one colour per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, (name, records) in enumerate(runs.items()):
+        color = f"C{i}"
+        ax.plot([r["step"] for r in records], [r["loss"] for r in records], color=color, lw=1, label=f"{name} train")
+        val = [r for r in records if "val_loss" in r]
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o--", color=color, label=f"{name} val")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/char)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def compare(run_dir: Path, modes: list[str], link: str | None = None) -> str:
+    """A side-by-side table of finished demo runs (``run_dir/<mode>``) and one PNG of their
+    curves; ``link``: the inter-node link they ran under (None: no limit)."""
+    runs, lines = {}, ["communication summed over all ranks (x-node: direct sends; backend: what the "
+                       "backend's algorithm sends across nodes)",
+                       f"{'mode':<8}{'train loss':>11}{'val loss':>10}{'s/step':>8}{'MB/step sent':>14}"
+                       f"{'MB/step x-node':>16}{'backend':>9}"]
+    for mode in modes:
+        records = [json.loads(line) for line in open(run_dir / mode / "metrics.jsonl")]
+        comm = json.loads((run_dir / mode / "comm.json").read_text())["total"]
+        runs[mode], last, steps = records, records[-1], len(records)
+        lines.append(f"{mode:<8}{last['loss']:>11.4f}{last.get('val_loss', float('nan')):>10.4f}"
+                     f"{last['elapsed_s'] / steps:>8.3f}{comm['bytes'] / steps / 1e6:>14.3f}"
+                     f"{comm['cross_node_bytes'] / steps / 1e6:>16.3f}"
+                     f"{comm['backend_cross_node_bytes'] / steps / 1e6:>9.3f}")
+    plot_losses(run_dir / "loss.png", runs)
+    seconds = {mode: records[-1]["elapsed_s"] / len(records) for mode, records in runs.items()}
+    if BASELINE in seconds:
+        under = f"with {link} between nodes" if link else "with no link limit (local processes)"
+        lines.append(f"\nstep time {under}: " + ", ".join(
+            f"{mode} {seconds[mode] / seconds[BASELINE]:.2f}x ZeRO-3's" for mode in modes if mode != BASELINE))
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``zeropp demo``'s options: which modes, how long, on how many local ranks."""
+    parser.add_argument("--modes", type=lambda text: parse_modes(text, zeropp_modes()), default=("zero3", "all"),
+                        help=f"comma-separated, from {', '.join(zeropp_modes())} (default: ZeRO-3 and all three "
+                             "ZeRO++ techniques)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"optimizer steps per mode (default {LOCAL_STEPS} without a link limit, "
+                             f"{LINK_STEPS} on the emulated cluster)")
+    parser.add_argument("--link", default=DEFAULT_LINK,
+                        help=f"inter-node link of the emulated cluster, tc syntax (default {DEFAULT_LINK}); "
+                             "'none' runs local processes with no limit (also the fallback where the cluster "
+                             "cannot be built)")
+    parser.add_argument("--nodes", type=int, default=2, help="emulated nodes (default 2)")
+    parser.add_argument("--ranks-per-node", type=int, default=2)
+    parser.add_argument("--runs", default="runs", help="parent folder of the run directory")
+    parser.set_defaults(func=run_from_args)
+
+
+def where_to_run(link: str) -> tuple[str | None, str | None]:
+    """The link limit the demo runs under (None: local processes, no limit), and why not the
+    one asked for when the emulated cluster cannot be built here."""
+    if parse_bandwidth(link) is None:  # a malformed rate is an error, not a fallback
+        return None, None
+    reason = check_support()
+    return (link, None) if reason is None else (None, reason)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """``zeropp demo``: one job per mode, on the emulated cluster with a slow inter-node link
+    where it can be built (else on local processes), then the side-by-side table."""
+    link, why_not = where_to_run(args.link)
+    if why_not is not None:
+        print(f"zeropp demo: no inter-node link limit ({why_not}), so ZeRO++ shows its bytes but not its "
+              f"speed-up; to see that, run as root where network namespaces work, or `zeropp bench step`",
+              flush=True)
+    steps = args.steps if args.steps is not None else LINK_STEPS if link else LOCAL_STEPS
+    run_dir = Path(args.runs) / time.strftime("%Y%m%d-%H%M%S")
+    for mode in args.modes:
+        module_args = ["--run-dir", str(run_dir / mode), "--mode", mode, "--steps", str(steps)]
+        where = f"emulated nodes, {link} between them" if link else "local processes, no link limit"
+        print(f"\nzeropp demo: {args.nodes} nodes x {args.ranks_per_node} ranks ({where}), "
+              f"mode {mode}, {steps} steps -> {run_dir / mode}", flush=True)
+        if link:
+            code = launch(["python", "-m", "zeropp.tools.demo", *module_args], args.nodes, args.ranks_per_node,
+                          bandwidth=link).exit_code
+        else:
+            code = launch_local("zeropp.tools.demo", module_args, args.nodes, args.ranks_per_node)
+        if code:
+            return code
+    print("\n" + compare(run_dir, list(args.modes), link))
+    print(f"\nloss curves: {run_dir / 'loss.png'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """One rank of a demo run (``zeropp demo`` launches it under torchrun)."""
+    run_rank_job("zeropp demo training job (run under torchrun)", DemoConfig, train, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""Fitting the machine constants of the emulated cluster (gloo on CPU) from measured step times.
+
+[Note: calibration]
+Without overlap ([Note: overlap]) a step's time is compute, plus every collective's call latency,
+transfer and codec work, plus the optimizer. Seven constants: seconds per FLOP, per activation
+element (layers x tokens x width), per collective call, per coded element and per sharded
+parameter updated enter linearly; the CPU's sending rate and the link's efficiency (its rate over
+the nominal one) enter through each transfer's max(CPU time, link time). The fit searches the two
+nonlinear ones on a log grid, refined twice around the best point, and for each solves the five
+linear ones by least squares on relative errors (each equation divided by its measured time, so
+a 20 s step does not outweigh a 0.2 s one), every constant non-negative: a coefficient that comes
+out negative is dropped and the rest refitted until none is. Compute is the same in every mode of
+one model, so separating FLOPs from elementwise work needs two model sizes at least.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from zeropp.config import ZeroPPConfig
+from zeropp.tools.plan.cost import (
+    Machine,
+    Workload,
+    activation_elements,
+    link_bytes,
+    sharded_parameters,
+    step_flops,
+    weighted_sends,
+)
+from zeropp.tools.plan.model import ModelShape
+from zeropp.tools.plan.traffic import step_transfers
+from zeropp.topology import Topology
+
+LINEAR = ("flops", "activation_elements", "calls", "coded_elements", "sharded_parameters")
+"""The constants a step time is linear in (seconds per each), in ``Fit.coefficients`` order."""
+SEND_RATES = np.logspace(6, 11, 51)
+"""The CPU sending rates searched first (bytes/s)."""
+LINK_EFFICIENCIES = np.linspace(0.3, 1.5, 49)
+"""The link efficiencies searched first (achieved over nominal rate)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measurement:
+    """One measured step: a mode (``config``; None for HSDP) of ``model`` at a link rate."""
+
+    model: ModelShape
+    config: ZeroPPConfig | None
+    workload: Workload
+    topology: Topology
+    link_bytes_per_s: float | None
+    """The inter-node rate the links were set to (None: no limit)."""
+    step_s: float
+    label: str = ""
+
+
+@dataclass(frozen=True)
+class _Amounts:
+    """One measured step's amounts: the linear features, and per collective the bytes this rank
+    sends and the seconds its node link needs at the nominal rate (0 without a limit)."""
+
+    linear: np.ndarray
+    sent: np.ndarray
+    link_seconds: np.ndarray
+
+
+def amounts(m: Measurement, serial_cost: Mapping[str, float]) -> _Amounts:
+    """``sent`` is weighted by each collective's ``serial_cost`` (bytes at the reference rate)."""
+    transfers = [t for unit in step_transfers(m.model, m.config, m.topology, m.workload.precision) for t in unit
+                 if t.group_size > 1 and not t.background]
+    linear = np.array([step_flops(m.model, m.workload), activation_elements(m.model, m.workload), len(transfers),
+                       sum(t.coded_elements for t in transfers), sharded_parameters(m.model, m.config, m.topology)])
+    sent = np.array([weighted_sends(t, "gloo", serial_cost) for t in transfers], dtype=np.float64)
+    link = np.zeros(len(transfers))
+    if m.link_bytes_per_s is not None:
+        link = np.array([link_bytes(t, m.topology, "gloo")[1] for t in transfers]) / m.link_bytes_per_s
+    return _Amounts(linear, sent, link)
+
+
+def _transfer_seconds(a: _Amounts, send_rate: float, efficiency: float) -> float:
+    return float(np.maximum(a.sent / send_rate, a.link_seconds / efficiency).sum())
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Fitted constants and how well they explain the measurements."""
+
+    coefficients: tuple[float, ...]
+    """Seconds per unit of each of ``LINEAR``."""
+    send_bytes_per_s: float
+    link_efficiency: float
+    relative_errors: tuple[float, ...]
+    """(predicted - measured) / measured of every measurement fitted."""
+    serial_cost: Mapping[str, float] = field(default_factory=dict)
+    """The measured relative cost per sent byte of each collective (``Machine.serial_cost``)."""
+
+    def machine(self, topology: Topology, link_bytes_per_s: float | None, name: str = "emulated cluster") -> Machine:
+        """The fitted cluster at one link rate, for ``zeropp.tools.plan.cost``."""
+        per_flop, per_activation, per_call, per_element, per_parameter = self.coefficients
+        inf = float("inf")
+        link = inf if link_bytes_per_s is None else link_bytes_per_s * self.link_efficiency
+        return Machine(name=name, ranks_per_node=topology.ranks_per_node, inter_node_bytes_per_s=link,
+                       intra_node_bytes_per_s=inf, latency_s=per_call, flops_per_s=_inverse(per_flop),
+                       activation_s_per_element=per_activation, codec_elements_per_s=_inverse(per_element),
+                       overlap=0.0, serial_bytes_per_s=self.send_bytes_per_s, update_s_per_parameter=per_parameter,
+                       serial_cost=dict(self.serial_cost), backend="gloo")
+
+    def predict(self, m: Measurement) -> float:
+        a = amounts(m, self.serial_cost)
+        return float(a.linear @ np.array(self.coefficients)) + _transfer_seconds(a, self.send_bytes_per_s,
+                                                                                 self.link_efficiency)
+
+
+def _inverse(x: float) -> float:
+    return 1.0 / x if x > 0 else float("inf")
+
+
+def _linear_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative least squares of ``x @ c ~ y`` on relative errors (rows already divided by
+    the measured times), by dropping the most negative coefficient until none is."""
+    scale = np.where(np.abs(x).max(axis=0) > 0, np.abs(x).max(axis=0), 1.0)  # columns of comparable size
+    active = [i for i in range(x.shape[1]) if x[:, i].any()]
+    coefficients = np.zeros(x.shape[1])
+    while active:
+        solution, *_ = np.linalg.lstsq(x[:, active] / scale[active], y, rcond=None)
+        if (solution >= 0).all():
+            coefficients[active] = solution / scale[active]
+            break
+        active.pop(int(np.argmin(solution)))
+    return coefficients
+
+
+def fit(measurements: Sequence[Measurement], serial_cost: Mapping[str, float] | None = None) -> Fit:
+    """The constants that best explain ``measurements``, see [Note: calibration]; ``serial_cost``:
+    each collective's measured cost per sent byte relative to the rest (``Machine.serial_cost``;
+    one rate for all without it)."""
+    serial_cost = dict(serial_cost or {})
+    if len(measurements) < len(LINEAR) + 2:
+        raise ValueError(f"calibration needs at least {len(LINEAR) + 2} measured steps (one per constant), "
+                         f"got {len(measurements)}")
+    y = np.array([m.step_s for m in measurements])
+    if not np.all(np.isfinite(y)) or np.any(y <= 0):
+        raise ValueError(f"measured step times must be positive and finite, got {y.tolist()}")
+    steps = [amounts(m, serial_cost) for m in measurements]
+    x = np.stack([a.linear for a in steps]) / y[:, None]
+
+    def solve(send_rate: float, efficiency: float) -> tuple[float, np.ndarray]:
+        rest = 1 - np.array([_transfer_seconds(a, send_rate, efficiency) for a in steps]) / y
+        coefficients = _linear_fit(x, rest)
+        return float(np.square(x @ coefficients - rest).sum()), coefficients
+
+    rates, efficiencies = SEND_RATES, LINK_EFFICIENCIES
+    for _ in range(3):  # the grid, then two finer ones around its best point
+        best = min(((solve(r, e)[0], r, e) for r in rates for e in efficiencies), key=lambda t: t[0])
+        _, rate, efficiency = best
+        rate_step, efficiency_step = rates[1] / rates[0], efficiencies[1] - efficiencies[0]
+        rates = rate * np.logspace(-1, 1, 21, base=rate_step)
+        efficiencies = efficiency + np.linspace(-1, 1, 21) * efficiency_step
+    _, coefficients = solve(rate, efficiency)
+    fitted = Fit(tuple(float(c) for c in coefficients), float(rate), float(efficiency), (), serial_cost)
+    errors = tuple((fitted.predict(m) - m.step_s) / m.step_s for m in measurements)
+    return Fit(fitted.coefficients, fitted.send_bytes_per_s, fitted.link_efficiency, errors, serial_cost)

@@ -1,0 +1,167 @@
+"""``zeropp plan``: predict a training step of every mode on a cluster, recommend a configuration,
+calibrate the model on the emulated cluster, or reproduce the ZeRO++ paper's figures on paper."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zeropp.tools.modes import MODES, System, parse_modes
+
+MACHINES = ("v100", "h100")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="gpt:40x6144",
+                        help="gpt:LAYERSxWIDTH (zeropp's GPT-2 style model, vocabulary 50257), hf:CONFIG.json (a "
+                             "Hugging Face config), or paper:18B / paper:138B (default gpt:40x6144, the paper's 18B)")
+    parser.add_argument("--gpus", type=int, default=384)
+    parser.add_argument("--gpus-per-node", type=int, default=None, help="default: the machine's (v100 16, h100 8)")
+    parser.add_argument("--machine", choices=MACHINES, default="v100",
+                        help="constants of the GPU and node (zeropp.tools.plan.scale); the flags below override them")
+    parser.add_argument("--inter-node-gbit", type=float, default=None, help="per node, one direction")
+    parser.add_argument("--intra-node-gbyte", type=float, default=None, help="per GPU, one direction (GB/s)")
+    parser.add_argument("--tflops", type=float, default=None, help="sustained per GPU")
+    parser.add_argument("--memory-gb", type=float, default=None, help="per GPU")
+    parser.add_argument("--overlap", type=float, default=1.0,
+                        help="fraction of prefetched communication that overlaps compute (1 ideal, 0 none)")
+    parser.add_argument("--batch-per-gpu", type=int, default=2, help="sequences per GPU per step")
+    parser.add_argument("--context", type=int, default=512, help="sequence length")
+    parser.add_argument("--no-checkpointing", action="store_true", help="keep every activation (default: recompute)")
+    parser.add_argument("--modes", type=lambda text: parse_modes(text, MODES), default=("zero3", "hsdp", "qwz", "hpz",
+                                                                                        "qgz", "all"))
+    parser.add_argument("--recommend", action="store_true", help="the configuration to use, and why")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="fit the emulated cluster's constants on --calibration-records, predict "
+                             "--validation-records")
+    parser.add_argument("--calibration-records", type=Path, nargs="+",
+                        default=[Path(f"benchmarks/results/plan/bench_step_{size}/bench_step.json")
+                                 for size in ("4x256", "6x384")])
+    parser.add_argument("--validation-records", type=Path, nargs="+",
+                        default=[Path("benchmarks/results/plan/bench_step_8x512/bench_step.json")])
+    parser.add_argument("--collective-rates", type=Path, default=None,
+                        help="with --calibrate: benchmarks/collective_rates.py's JSON, to price each collective's "
+                             "bytes at its own measured rate (default: one fitted rate for all)")
+    parser.add_argument("--paper", action="store_true",
+                        help="the ZeRO++ paper's throughput figures and an H100 projection, predicted")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/plan"))
+    parser.set_defaults(func=run_from_args)
+
+
+def machine_from_args(args: argparse.Namespace) -> Any:
+    from zeropp.tools.plan.cost import GBIT
+    from zeropp.tools.plan.scale import H100_NODE, V100_DGX2
+
+    machine = {"v100": V100_DGX2, "h100": H100_NODE}[args.machine]
+    changes: dict[str, Any] = {"overlap": args.overlap}
+    if args.gpus_per_node is not None:
+        changes["ranks_per_node"] = args.gpus_per_node
+    if args.inter_node_gbit is not None:
+        changes["inter_node_bytes_per_s"] = 0.9 * args.inter_node_gbit * GBIT
+    if args.intra_node_gbyte is not None:
+        changes["intra_node_bytes_per_s"] = args.intra_node_gbyte * 1e9
+    if args.tflops is not None:
+        changes["flops_per_s"] = args.tflops * 1e12
+    if args.memory_gb is not None:
+        changes["memory_bytes"] = args.memory_gb * 1e9
+    for name, value in changes.items():
+        if name != "overlap" and not value > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if not 0 <= args.overlap <= 1:
+        raise ValueError(f"--overlap={args.overlap} must be between 0 (none) and 1 (ideal)")
+    return dataclasses.replace(machine, **changes)
+
+
+def model_from_arg(text: str, context: int) -> Any:
+    from zeropp.tools.plan import model as model_shape
+    from zeropp.tools.plan.scale import PAPER_MODELS
+
+    kind, _, value = text.partition(":")
+    if kind == "gpt":
+        layers, _, width = value.partition("x")
+        if layers.isdigit() and width.isdigit() and int(width) % 64 == 0:
+            return model_shape.transformer(num_layers=int(layers), embed_dim=int(width), num_heads=int(width) // 64,
+                                           context_length=context)
+    elif kind == "paper" and value in PAPER_MODELS:
+        return model_shape.transformer(**PAPER_MODELS[value], context_length=context, name=f"GPT-{value}")
+    elif kind == "hf" and Path(value).is_file():
+        from transformers import AutoConfig
+
+        return model_shape.hf(AutoConfig.from_pretrained(value))
+    raise ValueError(f"--model {text!r}: give gpt:LAYERSxWIDTH (width a multiple of 64), hf:<an existing "
+                     f"config.json>, or paper:{'/'.join(PAPER_MODELS)}")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run what the options ask for; a bad input is one line naming it, exit status 2."""
+    try:
+        return _run(args)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"zeropp plan: {error}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.calibrate:
+        from zeropp.tools.plan import emulated
+
+        emulated.run(args.calibration_records, args.validation_records, args.out, args.collective_rates)
+        return 0
+    if args.paper:
+        from zeropp.tools.plan import report
+
+        report.run(args.out)
+        return 0
+    from zeropp.tools.plan.cost import Workload
+    from zeropp.tools.plan.traffic import Precision
+    from zeropp.topology import Topology
+
+    machine = machine_from_args(args)
+    if args.gpus < 1 or args.gpus % machine.ranks_per_node:
+        raise ValueError(f"--gpus={args.gpus} must be a positive multiple of the GPUs per node "
+                         f"({machine.ranks_per_node})")
+    if args.batch_per_gpu < 1 or args.context < 1:
+        raise ValueError(f"--batch-per-gpu={args.batch_per_gpu} and --context={args.context} must be positive")
+    shape = model_from_arg(args.model, args.context)
+    topology = Topology(num_nodes=args.gpus // machine.ranks_per_node, ranks_per_node=machine.ranks_per_node)
+    precision = Precision(gather_dtype=torch.bfloat16, reduce_dtype=torch.float32 if args.machine == "h100"
+                          else torch.float16)
+    workload = Workload(batch_per_rank=args.batch_per_gpu, context_length=args.context, precision=precision,
+                        activation_checkpointing=not args.no_checkpointing)
+    if args.recommend:
+        from zeropp.tools.plan.recommend import recommend
+
+        print(recommend(shape, topology, workload, machine).reason)
+        return 0
+    print(format_modes(shape, topology, workload, machine, args.modes))
+    return 0
+
+
+def format_modes(shape: Any, topology: Any, workload: Any, machine: Any, modes: tuple[str, ...]) -> str:
+    """One row per mode: predicted step, compute, exposed communication, cross-node bytes, memory."""
+    from zeropp.tools.plan.cost import cross_node_bytes_per_node, memory, step_time
+    from zeropp.tools.plan.traffic import step_transfers
+
+    lines = [f"{shape.name}: {shape.num_parameters / 1e9:.2f}B parameters on {topology.world_size} GPUs "
+             f"({topology.num_nodes} nodes x {topology.ranks_per_node}), {machine.name}",
+             f"{'mode':<10}{'step s':>9}{'x zero3':>8}{'compute s':>10}{'exposed s':>10}{'x-node GB/node':>15}"
+             f"{'memory GB':>10}"]
+    baseline = step_time(shape, MODES["zero3"].config(topology.ranks_per_node), topology, workload, machine).step_s
+    for name in modes:
+        mode = MODES[name]
+        if mode.system is System.DEEPSPEED:
+            continue
+        config = None if mode.system is System.HSDP else mode.config(topology.ranks_per_node)
+        step = step_time(shape, config, topology, workload, machine)
+        transfers = [t for unit in step_transfers(shape, config, topology, workload.precision) for t in unit]
+        lines.append(f"{name:<10}{step.step_s:>9.3f}{baseline / step.step_s:>8.2f}{step.compute_s:>10.3f}"
+                     f"{step.exposed_s:>10.3f}{cross_node_bytes_per_node(transfers, topology) / 1e9:>15.2f}"
+                     f"{memory(shape, config, topology, workload).total / 1e9:>10.1f}")
+    return "\n".join(lines)
+
+

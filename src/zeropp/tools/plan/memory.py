@@ -1,0 +1,312 @@
+"""One rank's memory through one training step, moment by moment: the memory ``zeropp plan``
+predicts, which ``zeropp bench scale`` measures on one rank of 64 to 4,096 with FSDP2's memory
+tracker.
+
+[Note: a rank's memory through a step]
+All step long a rank holds its shards. FSDP2 keeps each parameter's shard padded (dim 0 padded
+to a multiple of the shard group: every rank the same size, one whose rows are all padding
+too); AdamW keeps two fp32 states of the unpadded shard (none where it is empty); after a unit's
+reduce-scatter its gradients are views of the padded reduce-scatter output. Over that, the step
+walks the units:
+
+- forward, unit by unit: the gather (FSDP2's flat all-gather output, then each parameter's
+  padded unsharded copy: for a moment two copies of the unit in the gather dtype; under qwZ the
+  packed payloads of every rank beside the flat output while they decode), the unit's compute
+  (its unsharded weights, the activations it saves) and, under hpZ, the secondary copy it keeps
+  for backward (the padded unit over the node's ranks, in the gather dtype);
+- backward, in reverse: the unit gathered again (under hpZ from its secondary copy, freed then)
+  and the unit after it prefetched (FSDP2 gathers the next unit of backward while one computes),
+  the unit's unsharded gradients (unpadded, gather dtype), then its reduce-scatter: the unit's
+  weights freed, the previous unit's reduce-scatter input released (FSDP2 keeps the last one
+  until the next reduce-scatter), the padded input in the reduce dtype filled from the gradients,
+  and what the comm allocates: nothing for FSDP2's own, for qgZ [Note: qgZ's buffers]. The
+  gradients are freed once copied, except a head's or final norm's in a unit of its own
+  (``UnitShape.is_single_layer``), which autograd holds until the reduce-scatter returns;
+- the optimizer step: every gradient beside AdamW's temporaries.
+
+A root that holds parameters is gathered first and stays whole to the end of backward (FSDP2
+does not reshard the root after forward), its gradients held from the first to its
+reduce-scatter. The peak is the largest moment, broken down as it stands then. Not modelled:
+error feedback's residuals, ``overlap``'s prefetching and late reduce-scatters, CPU offload,
+and the allocator's own slack (FSDP2's tracker counts tensor storages, so it is not in the
+measurement either). With activation checkpointing a block saves its input only and recomputes
+its activations in its backward.
+
+[Note: qgZ's buffers]
+Hop 1 (inside the node, when a node has several ranks) takes the reduce-scatter input as W rows
+of S elements: it copies out the W - N rows it sends, codes them into a packed buffer, receives
+as many packed rows, keeps its N own rows in fp32 and decodes all W rows into one fp32 buffer
+before summing them into N partial rows; its largest moment holds the decoded rows, what
+arrived and the own rows (W + N) x S x 4 bytes plus one packed buffer. Hop 2 does the same on the
+N partial rows (N - 1 sent), while they stay alive.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+
+from zeropp.codes.codec import payload_bytes, segments_for
+from zeropp.config import ZeroPPConfig
+from zeropp.tools.plan.model import ModelShape, UnitShape
+from zeropp.tools.plan.traffic import Precision, keeps_codes, padded_numels, secondary_copy_bytes
+from zeropp.topology import Topology
+
+PARAMETER_BYTES = 4
+"""The parameters' own dtype (fp32): the shards, their gradients' and AdamW's states' element size."""
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one rank holds at the step's peak, by what they are."""
+
+    parameters: float
+    """The padded parameter shards."""
+    optimizer: float
+    """AdamW's two states of this rank's unpadded shards."""
+    gradients: float
+    """Sharded gradients so far, and the unsharded gradients of the unit in backward."""
+    secondary_copy: float
+    """hpZ's secondary copies held."""
+    gathered: float
+    """Unsharded weights and the all-gathers' buffers and payloads."""
+    reduce_buffers: float
+    """Reduce-scatter inputs (FSDP2 keeps one past its unit) and what the comm allocates."""
+    activations: float
+    """What forward saved for backward, and the loss's temporaries."""
+    moment: str
+    """Where the peak is, e.g. "backward reduce-scatter lm_head"."""
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self) if f.name != "moment")
+
+
+@dataclass(frozen=True)
+class UnitBytes:
+    """What one unit costs one rank (bytes), see [Note: a rank's memory through a step]."""
+
+    name: str
+    shard: float
+    optimizer: float
+    gradient: float
+    """The padded sharded gradient (the reduce-scatter output)."""
+    whole: float
+    """The padded unsharded weights, gather dtype."""
+    whole_gradients: float
+    secondary: float
+    gather_forward: float
+    """What the forward gather holds while its collective runs (FSDP2's flat output included);
+    its copy-out then holds two copies of ``whole``."""
+    gather_backward: float
+    reduce_input: float
+    reducing: float
+    """What the reduce-scatter comm allocates at its largest moment."""
+    held_gradients: float
+    """Unsharded gradients autograd holds through the reduce-scatter (``UnitShape.is_single_layer``)."""
+    activations: float
+    """Saved for backward by the unit's forward."""
+    recompute: float
+    """Recomputed in the unit's backward (activation checkpointing)."""
+    loss: float
+    """Temporaries of the loss in forward beside the saved activations (the unit that computes
+    it): the 16-bit logits and their fp32 copy, 6 V bytes per token."""
+    loss_gradients: float
+    """The loss's gradients in backward, once the saved log-probabilities are used: 8 V bytes
+    per token (measured with FSDP2's tracker on a Llama head)."""
+    largest_local: float
+    """The largest unpadded parameter shard on this rank (AdamW's temporaries)."""
+
+    @property
+    def has_parameters(self) -> bool:
+        return self.shard > 0
+
+
+def local_rows(rows: int, shard_size: int, rank: int) -> int:
+    """Rows of a dim-0 ``rows`` parameter on ``rank`` (``torch.chunk``'s split, FSDP2's): chunks
+    of ceil(rows / shard_size) rows, the last ones short or empty."""
+    chunk = math.ceil(rows / shard_size)
+    return max(0, min(chunk, rows - rank * chunk))
+
+
+def _gather_bytes(padded: list[int], quantize: list[bool], group: int, config: ZeroPPConfig | None,
+                  gather_dtype: torch.dtype) -> float:
+    """What a gather over ``group`` ranks holds while the collective runs: FSDP2's flat output,
+    and under qwZ every rank's packed payload and this rank's own."""
+    whole = sum(padded) * gather_dtype.itemsize
+    if config is None or not any(quantize):
+        return whole
+    segments = segments_for(padded, quantize, group, config.weight_bits,
+                            asymmetric=config.weight_code == "asymmetric")
+    return whole + (group + 1) * payload_bytes(segments, config.block_size, gather_dtype)
+
+
+def _qgz_bytes(trainable: list[int], config: ZeroPPConfig, topology: Topology) -> float:
+    """qgZ's buffers at their largest moment ([Note: qgZ's buffers])."""
+    world, nodes, per_node = topology.world_size, topology.num_nodes, topology.ranks_per_node
+    chunk = sum(trainable) // world * 4
+    grouped = config.gradient_code.grouped_scales
+
+    def row(bits: int) -> int:
+        segments = segments_for(trainable, [True] * len(trainable), world, bits, grouped_scales=grouped)
+        return payload_bytes(segments, config.gradient_block_size, torch.float32)
+
+    peak = 0.0
+    if per_node > 1:
+        sent, packed = world - nodes, (world - nodes) * row(config.grad_bits_intra)
+        peak = max(sent * chunk + packed, 2 * packed + nodes * chunk, (world + nodes) * chunk + packed)
+    if nodes > 1:
+        sent, packed = nodes - 1, (nodes - 1) * row(config.grad_bits_inter)
+        peak = max(peak, nodes * chunk + max(sent * chunk + packed, 2 * packed + chunk, (nodes + 1) * chunk + packed))
+    return peak
+
+
+def unit_bytes(unit: UnitShape, model: ModelShape, config: ZeroPPConfig | None, topology: Topology,
+               precision: Precision, rank: int, tokens: tuple[int, int], last: bool,
+               checkpointing: bool = False) -> UnitBytes:
+    """``unit``'s costs on ``rank`` (``config`` None: FSDP2's HSDP, sharded inside the node);
+    ``tokens``: (batch, context); ``last``: it computes the loss."""
+    shard_size = topology.ranks_per_node if config is None else topology.world_size
+    padded = padded_numels(unit, shard_size)
+    gather_dtype, reduce_size = precision.gather_dtype, precision.reduce_dtype.itemsize
+    local = [local_rows(shape[0], shard_size, rank % shard_size) * math.prod(shape[1:]) for shape in unit.shapes]
+    trainable = [n for n, t in zip(padded, unit.trainable) if t]
+    quantize = [config is not None and (config.quantized_weights or (config.quantized_nontrainable_weights and not t))
+                for t in unit.trainable]
+    hpz = config.hpz_partition_size if config is not None else 1
+    codes = hpz > 1 and keeps_codes(quantize, config, topology)
+    # with the copy kept as codes, the backward's node gather receives the world's payload rows
+    # and decodes them into FSDP2's output, as the forward's gather does
+    backward_group = hpz if hpz > 1 and not codes else shard_size
+    backward_quantize = quantize if hpz <= 1 or codes or config.quantize_intra_node_weights else [False] * len(quantize)
+    batch, context = tokens
+    whole_gradients = sum(math.prod(s) for s, t in zip(unit.shapes, unit.trainable) if t) * gather_dtype.itemsize
+    activations = model.block_activation_bytes(batch, context, gather_dtype.itemsize) if unit.is_block else 0.0
+    recompute = activations if checkpointing else 0.0
+    if checkpointing and unit.is_block:
+        activations = batch * context * model.embed_dim * gather_dtype.itemsize
+    if last:
+        activations += model.head_activation_bytes(batch, context)
+    return UnitBytes(
+        name=unit.name,
+        shard=sum(padded) / shard_size * PARAMETER_BYTES,
+        optimizer=2 * sum(n for n, t in zip(local, unit.trainable) if t) * PARAMETER_BYTES,
+        gradient=sum(trainable) / shard_size * reduce_size,
+        whole=sum(padded) * gather_dtype.itemsize,
+        whole_gradients=whole_gradients,
+        secondary=secondary_copy_bytes(unit, config, topology, precision),
+        gather_forward=_gather_bytes(padded, quantize, shard_size, config, gather_dtype) if padded else 0.0,
+        gather_backward=_gather_bytes(padded, backward_quantize, backward_group, config, gather_dtype)
+        if padded else 0.0,
+        reduce_input=sum(trainable) * reduce_size,
+        reducing=_qgz_bytes(trainable, config, topology) if config is not None and config.quantized_gradients
+        and trainable else 0.0,
+        held_gradients=whole_gradients if unit.is_single_layer else 0.0,
+        activations=activations,
+        recompute=recompute,
+        loss=6 * batch * context * model.vocab_size if last else 0.0,
+        loss_gradients=8 * batch * context * model.vocab_size if last else 0.0,
+        largest_local=max((n for n, t in zip(local, unit.trainable) if t), default=0) * PARAMETER_BYTES,
+    )
+
+
+class _Timeline:
+    """The step's moments: what is held now, by category; the largest total so far."""
+
+    def __init__(self, parameters: float, optimizer: float) -> None:
+        self.held = dict.fromkeys(("gradients", "secondary_copy", "gathered", "reduce_buffers", "activations"), 0.0)
+        self.static = {"parameters": parameters, "optimizer": optimizer}
+        self.peak: RankMemory | None = None
+
+    def moment(self, label: str, **extra: float) -> None:
+        """A moment: what is held plus ``extra`` bytes by category."""
+        now = RankMemory(**self.static, **{k: v + extra.get(k, 0.0) for k, v in self.held.items()}, moment=label)
+        if self.peak is None or now.total > self.peak.total:
+            self.peak = now
+
+
+def _forward(timeline: _Timeline, blocks: list[UnitBytes]) -> None:
+    held = timeline.held
+    for unit in blocks:
+        timeline.moment(f"forward gather {unit.name}", gathered=unit.gather_forward)
+        timeline.moment(f"forward copy-out {unit.name}", gathered=2 * unit.whole)
+        timeline.moment(f"forward {unit.name}", gathered=unit.whole, activations=unit.activations + unit.loss)
+        held["activations"] += unit.activations
+        if unit.secondary:
+            timeline.moment(f"forward reshard {unit.name}", gathered=unit.whole, secondary_copy=unit.secondary)
+            held["secondary_copy"] += unit.secondary
+
+
+def _reduce(timeline: _Timeline, unit: UnitBytes, prefetched: float) -> None:
+    """A unit's reduce-scatter: its input filled from the gradients, then the comm's buffers."""
+    if unit.reduce_input:
+        timeline.moment(f"reduce-scatter copy-in {unit.name}", gathered=prefetched, reduce_buffers=unit.reduce_input,
+                        gradients=unit.whole_gradients)
+        timeline.moment(f"reduce-scatter {unit.name}", gathered=prefetched,
+                        reduce_buffers=unit.reduce_input + unit.reducing, gradients=unit.gradient + unit.held_gradients)
+    timeline.held["gradients"] += unit.gradient
+
+
+def _backward(timeline: _Timeline, blocks: list[UnitBytes]) -> None:
+    """The units' backward in reverse. A prefetched unit holds FSDP2's flat all-gather output
+    until its own backward starts; its copy-out into the unsharded weights, and the release of
+    its secondary copy, happen then."""
+    held = timeline.held
+    pending = 0.0  # the previous unit's reduce-scatter input, which FSDP2 keeps until the next one
+    order = blocks[::-1]
+    for i, unit in enumerate(order):
+        if i == 0:
+            timeline.moment(f"backward gather {unit.name}", gathered=unit.gather_backward)
+        timeline.moment(f"backward copy-out {unit.name}", gathered=2 * unit.whole, reduce_buffers=pending)
+        held["secondary_copy"] -= unit.secondary
+        after = order[i + 1] if i + 1 < len(order) else None
+        prefetched = after.whole if after is not None else 0.0
+        if after is not None:
+            timeline.moment(f"backward prefetch {after.name}", gathered=unit.whole + after.gather_backward,
+                            reduce_buffers=pending)
+        if unit.loss_gradients:
+            held["activations"] -= unit.activations
+        timeline.moment(f"backward {unit.name}", gathered=unit.whole + prefetched, reduce_buffers=pending,
+                        gradients=unit.whole_gradients, activations=unit.loss_gradients + unit.recompute)
+        if not unit.loss_gradients:
+            held["activations"] -= unit.activations
+        _reduce(timeline, unit, prefetched)
+        pending = unit.reduce_input or pending
+
+
+def rank_memory(model: ModelShape, config: ZeroPPConfig | None, topology: Topology, precision: Precision,
+                batch: int, context_length: int, rank: int = 0, checkpointing: bool = False) -> RankMemory:
+    """The peak of one training step on ``rank`` ([Note: a rank's memory through a step]): ``model``
+    trained in a mode (``config``; None for FSDP2's HSDP) on ``batch`` sequences of
+    ``context_length`` tokens per rank, AdamW; ``checkpointing``: activation checkpointing of
+    every block."""
+    with_parameters = [u for u in model.units if u.shapes]
+    last = with_parameters[-1] if with_parameters else None
+    units = [unit_bytes(u, model, config, topology, precision, rank, (batch, context_length), u is last,
+                        checkpointing) for u in model.units]
+    *blocks, root = units
+    blocks = [u for u in blocks if u.has_parameters]
+    timeline = _Timeline(sum(u.shard for u in units), sum(u.optimizer for u in units))
+    held = timeline.held
+    if root.has_parameters:  # gathered first, whole until the end of backward, its gradients from the loss on
+        timeline.moment(f"forward gather {root.name}", gathered=root.gather_forward)
+        timeline.moment(f"forward copy-out {root.name}", gathered=2 * root.whole)
+        held["gathered"] += root.whole
+    _forward(timeline, blocks)
+    if root.has_parameters:
+        held["activations"] += root.activations
+        timeline.moment(f"loss {root.name}", activations=root.loss)
+        held["gradients"] += root.whole_gradients
+    _backward(timeline, blocks)
+    if root.has_parameters:
+        held["gathered"] -= root.whole
+        held["gradients"] -= root.whole_gradients
+        held["activations"] -= root.activations
+        _reduce(timeline, root, 0.0)
+    largest = max((u.largest_local for u in units), default=0.0)
+    timeline.moment("optimizer step", activations=2 * largest)
+    assert timeline.peak is not None
+    return timeline.peak
+
