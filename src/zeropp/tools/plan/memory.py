@@ -13,8 +13,10 @@ walks the units:
   padded unsharded copy: for a moment two copies of the unit in the gather dtype; under qwZ the
   packed payloads of every rank beside the flat output while they decode), the unit's compute
   (its unsharded weights, the activations it saves) and, under hpZ, the secondary copy it keeps
-  for backward (the padded unit over the node's ranks, in the gather dtype);
-- backward, in reverse: the unit gathered again (under hpZ from its secondary copy, freed then)
+  for backward (the padded unit over the node's ranks in the gather dtype, or under qwZ the
+  payload rows it is kept as: ``traffic.secondary_copy_bytes``);
+- backward, in reverse: the unit gathered again (under hpZ from its secondary copy, freed then;
+  kept as codes, the gather receives and decodes the world's payload rows as forward's does)
   and the unit after it prefetched (FSDP2 gathers the next unit of backward while one computes),
   the unit's unsharded gradients (unpadded, gather dtype), then its reduce-scatter: the unit's
   weights freed, the previous unit's reduce-scatter input released (FSDP2 keeps the last one
@@ -177,8 +179,6 @@ def unit_bytes(unit: UnitShape, model: ModelShape, config: ZeroPPConfig | None, 
                 for t in unit.trainable]
     hpz = config.hpz_partition_size if config is not None else 1
     codes = hpz > 1 and keeps_codes(quantize, config, topology)
-    # with the copy kept as codes, the backward's node gather receives the world's payload rows
-    # and decodes them into FSDP2's output, as the forward's gather does
     backward_group = hpz if hpz > 1 and not codes else shard_size
     backward_quantize = quantize if hpz <= 1 or codes or config.quantize_intra_node_weights else [False] * len(quantize)
     batch, context = tokens
