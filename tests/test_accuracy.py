@@ -88,6 +88,29 @@ def test_pooled_verdict_takes_every_cell_and_seed() -> None:
     assert pooled["delta_alone"]["differences_percent"] == pytest.approx([1.0, 2.0, 0.0, 1.0, 2.0])
 
 
+def test_report_pools_each_setting_over_its_corpora(tmp_path) -> None:
+    """``report`` reads every cell's seeds from disk; each setting pools the cells of its corpora
+    (cells are named ``<corpus>_<setting>``), and the summary gives one row per mode."""
+    import json
+
+    deltas = {"kjv_demo": [1.0, 2.0], "mormon_demo": [0.0, 1.0, 2.0], "kjv_wide": [4.0, 6.0]}
+    for cell, values in deltas.items():
+        for seed, d in enumerate(values):
+            results = _results({"zero3": 2.0, "zero3_init": 2.0, "all": 2.0 * (1 + d / 100)})
+            results["settings"]["corpus"] = cell.split("_")[0]
+            (tmp_path / cell / f"seed_{seed}").mkdir(parents=True)
+            (tmp_path / cell / f"seed_{seed}" / "converge.json").write_text(json.dumps(results))
+    result = accuracy.report(tmp_path)
+    demo, wide = (result["by_setting"][name]["all"]["vs_control"] for name in ("demo", "wide"))
+    assert demo["n"] == 5 and demo["mean_percent"] == pytest.approx(1.2)
+    assert wide["differences_percent"] == pytest.approx([4.0, 6.0])
+    assert result["pooled"]["all"]["vs_control"]["n"] == 7
+    row = next(line for line in accuracy.summary_table(result).splitlines() if line.startswith("| all |"))
+    # demo: 5 pairs, mean 1.2, t(0.975, 4) x standard error 1.04 -> a cost; wide: 2 pairs, t(0.975, 1) = 12.7
+    assert row.split(" | ")[1:3] == ["costs: +1.20% [+0.16, +2.24] (5)", "noise: +5.00% [-7.71, +17.71] (2)"]
+    assert json.loads((tmp_path / "accuracy.json").read_text())["by_setting"]["wide"]["all"]["vs_control"]["n"] == 2
+
+
 def test_update_metrics_see_what_a_code_does_to_zero_entries() -> None:
     """On a stream whose every rank's gradient is zero at the same entries (scattered through
     blocks of nonzero ones), the plain code keeps them zero (round to nearest has a zero level),

@@ -103,11 +103,21 @@ def report(out_dir: str | Path) -> dict[str, Any]:
                                for p in cell_dir.glob("seed_*") if (p / "converge.json").exists()))
         if per_seed:
             cells[cell_dir.name] = cell_verdict(per_seed)
-    result = {"control": CONTROL, "cells": cells, "pooled": pooled_verdict(cells)}
+    by_setting: dict[str, dict[str, dict[str, Any]]] = {}
+    for cell_name, cell in cells.items():
+        by_setting.setdefault(setting_of(cell_name, cell), {})[cell_name] = cell
+    result = {"control": CONTROL, "cells": cells,
+              "by_setting": {name: pooled_verdict(group) for name, group in by_setting.items()},
+              "pooled": pooled_verdict(cells)}
     (out_dir / "accuracy.json").write_text(json.dumps(result, indent=1))
-    (out_dir / "accuracy.md").write_text(table(result) + "\n")
+    (out_dir / "accuracy.md").write_text(summary_table(result) + "\n\n" + table(result) + "\n")
     plot(out_dir / "accuracy.png", result)
     return result
+
+
+def setting_of(cell_name: str, cell: dict[str, Any]) -> str:
+    """The model setting of a cell (its name is ``<corpus>_<setting>``)."""
+    return cell_name.removeprefix(f"{cell['settings']['corpus']}_")
 
 
 def paired_deltas(per_seed: dict[int, dict[str, Any]], name: str) -> dict[int, float]:
@@ -156,6 +166,30 @@ def pooled_verdict(cells: dict[str, dict[str, Any]]) -> dict[str, Any]:
             deltas.setdefault(name, []).extend(entry["deltas_percent"].values())
     return {name: {"vs_control": verdict(differences[name]), "delta_alone": verdict(deltas[name])}
             for name in differences}
+
+
+def summary_table(result: dict[str, Any]) -> str:
+    """Markdown: per mode, the verdict pooled over the corpora of each setting, and over every cell."""
+    settings = list(result["by_setting"])
+    names = list(dict.fromkeys(name for pooled in result["by_setting"].values() for name in pooled))
+    lines = [f"Per mode and setting, pooled over corpora and seeds: the mode's Δ minus {CONTROL}'s Δ, "
+             f"mean and 95% t interval (pairs); for {CONTROL} itself, its Δ alone", "",
+             "| mode | " + " | ".join(settings) + " | every cell |", "|---|" + "---|" * (len(settings) + 1)]
+    for name in names:
+        pooled = [result["by_setting"][setting].get(name) for setting in settings] + [result["pooled"].get(name)]
+        key = "delta_alone" if name == CONTROL else "vs_control"
+        lines.append(f"| {name} | " + " | ".join("—" if entry is None else short(entry[key]) for entry in pooled)
+                     + " |")
+    return "\n".join(lines)
+
+
+def short(entry: dict[str, Any]) -> str:
+    """A verdict in a table cell: its word, the mean, the interval and the number of pairs."""
+    if entry["interval_percent"] is None:
+        return f"too few seeds ({entry['n']})"
+    low, high = entry["interval_percent"]
+    word = "noise" if low <= 0 <= high else "costs" if low > 0 else "better"
+    return f"{word}: {entry['mean_percent']:+.2f}% [{low:+.2f}, {high:+.2f}] ({entry['n']})"
 
 
 def table(result: dict[str, Any]) -> str:
@@ -234,6 +268,6 @@ def run_from_args(args: argparse.Namespace) -> int:
         result = report(args.out)
     else:
         result = run(args.out, corpora=args.corpora, seeds=args.seeds, steps=args.steps, runs_dir=args.runs)
-    print(table(result))
+    print(summary_table(result) + "\n\n" + table(result))
     return 0
 
