@@ -79,6 +79,32 @@ def test_verdict_pairs_each_seed_with_its_control() -> None:
     assert paired.verdict([0.4])["text"] == "too few seeds"
 
 
+def test_signed_rank_p_counts_every_sign_pattern() -> None:
+    """Against brute force over all 2^n sign patterns of the same mean ranks (ties included):
+    five differences of one sign give the smallest two-sided p there is for five seeds, 2/32."""
+    import itertools
+
+    def brute_force(differences: list[float]) -> float:
+        nonzero = [d for d in differences if d != 0]
+        magnitudes = sorted(abs(d) for d in nonzero)
+        rank = {m: sum(i + 1 for i, x in enumerate(magnitudes) if x == m) / magnitudes.count(m) for m in magnitudes}
+        observed = sum(rank[abs(d)] for d in nonzero if d > 0)
+        sums = [sum(rank[abs(d)] for d, sign in zip(nonzero, signs) if sign)
+                for signs in itertools.product((0, 1), repeat=len(nonzero))]
+        low, high = sum(x <= observed + 1e-9 for x in sums), sum(x >= observed - 1e-9 for x in sums)
+        return min(1.0, 2 * min(low, high) / len(sums))
+
+    assert paired.signed_rank_p([0.2, 1.0, 0.4, 3.0, 0.1]) == pytest.approx(2 / 32)
+    generator = torch.Generator().manual_seed(0)
+    for n in (3, 6, 9):
+        for shift in (0.0, 0.7):
+            differences = (torch.randn(n, generator=generator) + shift).tolist()
+            differences[1] = -differences[0]  # a tied magnitude
+            assert paired.signed_rank_p(differences) == pytest.approx(brute_force(differences))
+    assert paired.signed_rank_p([0.0, 0.0]) == 1.0
+    assert paired.verdict([1.0, -0.5, 2.0])["signed_rank_p"] == pytest.approx(brute_force([1.0, -0.5, 2.0]))
+
+
 def test_pooled_verdict_takes_every_cell_and_seed() -> None:
     cells = {name: accuracy.cell_verdict({seed: _results({"zero3": 2.0, "zero3_init": 2.0, "all": 2.0 * (1 + d)})
                                           for seed, d in enumerate(values)})
@@ -107,7 +133,9 @@ def test_report_pools_each_setting_over_its_corpora(tmp_path) -> None:
     assert result["pooled"]["all"]["vs_control"]["n"] == 7
     row = next(line for line in accuracy.summary_table(result).splitlines() if line.startswith("| all |"))
     # demo: 5 pairs, mean 1.2, t(0.975, 4) x standard error 1.04 -> a cost; wide: 2 pairs, t(0.975, 1) = 12.7
-    assert row.split(" | ")[1:3] == ["costs: +1.20% [+0.16, +2.24] (5)", "noise: +5.00% [-7.71, +17.71] (2)"]
+    # signed ranks: 4 nonzero differences of one sign, p = 2/16; 2 of one sign, p = 2/4
+    assert row.split(" | ")[1:3] == ["costs: +1.20% [+0.16, +2.24] (5; signed-rank p 0.12)",
+                                     "noise: +5.00% [-7.71, +17.71] (2; signed-rank p 0.5)"]
     assert json.loads((tmp_path / "accuracy.json").read_text())["by_setting"]["wide"]["all"]["vs_control"]["n"] == 2
 
 

@@ -173,11 +173,12 @@ def summary_table(result: dict[str, Any]) -> str:
     settings = list(result["by_setting"])
     names = list(dict.fromkeys(name for pooled in result["by_setting"].values() for name in pooled))
     lines = [f"Per mode and setting, pooled over corpora and seeds: the mode's Δ minus {CONTROL}'s Δ, "
-             f"mean and 95% t interval (pairs); for {CONTROL} itself, its Δ alone", "",
+             f"mean and 95% t interval (pairs; Wilcoxon signed-rank p); for the controls {CONTROL} and "
+             f"{ORDER_CONTROL}, their Δ alone", "",
              "| mode | " + " | ".join(settings) + " | every cell |", "|---|" + "---|" * (len(settings) + 1)]
     for name in names:
         pooled = [result["by_setting"][setting].get(name) for setting in settings] + [result["pooled"].get(name)]
-        key = "delta_alone" if name == CONTROL else "vs_control"
+        key = "delta_alone" if name in (CONTROL, ORDER_CONTROL) else "vs_control"
         lines.append(f"| {name} | " + " | ".join("—" if entry is None else short(entry[key]) for entry in pooled)
                      + " |")
     return "\n".join(lines)
@@ -189,15 +190,16 @@ def short(entry: dict[str, Any]) -> str:
         return f"too few seeds ({entry['n']})"
     low, high = entry["interval_percent"]
     word = "noise" if low <= 0 <= high else "costs" if low > 0 else "better"
-    return f"{word}: {entry['mean_percent']:+.2f}% [{low:+.2f}, {high:+.2f}] ({entry['n']})"
+    return (f"{word}: {entry['mean_percent']:+.2f}% [{low:+.2f}, {high:+.2f}] "
+            f"({entry['n']}; signed-rank p {entry['signed_rank_p']:.2g})")
 
 
 def table(result: dict[str, Any]) -> str:
     """Markdown: per mode and cell, the mean paired delta ± standard error, the control's, and the verdict."""
     lines = [f"Δ: final validation loss against ZeRO-3 on the same seed, mean ± standard error; "
              f"verdict: the mode's Δ minus the control's ({CONTROL}) per seed, 95% t interval", "",
-             "| cell | seeds | ZeRO-3 seed spread | mode | Δ | control Δ | verdict |",
-             "|---|---:|---:|---|---:|---:|---|"]
+             "| cell | seeds | ZeRO-3 seed spread | mode | Δ | control Δ | verdict | signed-rank p |",
+             "|---|---:|---:|---|---:|---:|---|---:|"]
     for cell_name, cell in result["cells"].items():
         spread = cell["zero3_seed_spread_percent"]
         control = summary(list(cell["modes"].get(CONTROL, {}).get("deltas_percent", {}).values()))
@@ -205,12 +207,17 @@ def table(result: dict[str, Any]) -> str:
             if name == CONTROL:
                 continue
             lines.append(f"| {cell_name} | {entry['n']} | {'—' if spread is None else f'{spread:.2f}%'} | {name} | "
-                         f"{_pm(entry)} | {_pm(control)} | {entry['vs_control']['text']} |")
+                         f"{_pm(entry)} | {_pm(control)} | {entry['vs_control']['text']} | "
+                         f"{_p(entry['vs_control'])} |")
     lines += ["", "Pooled over every cell and seed:", "",
               f"| mode | pairs | Δ minus {CONTROL}'s Δ (the verdict) | Δ alone, against 0 |", "|---|---:|---|---|"]
     lines += [f"| {name} | {entry['vs_control']['n']} | {'—' if name == CONTROL else entry['vs_control']['text']} | "
               f"{entry['delta_alone']['text']} |" for name, entry in result["pooled"].items()]
     return "\n".join(lines)
+
+
+def _p(entry: dict[str, Any]) -> str:
+    return f"{entry['signed_rank_p']:.2g}" if "signed_rank_p" in entry else "—"
 
 
 def _pm(entry: dict[str, Any]) -> str:

@@ -8,6 +8,9 @@ over seeds, its mean with a 95% Student-t interval (n - 1 degrees of freedom) sa
 cost is distinguishable from drift at this size: an interval that holds 0 is "indistinguishable
 from noise", one above 0 "costs X% ± Y", one below 0 does better than the control. The interval
 also bounds the cost: an upper end of 0.3 means at most 0.3% at 95% confidence, whatever the mean.
+Beside it, Wilcoxon's signed-rank test on the same differences: a run that stalls on the early
+plateau puts one difference of several percent among small ones, which widens the t interval
+while the ranks still see that most seeds went one way.
 """
 
 from __future__ import annotations
@@ -47,6 +50,30 @@ def summary(values: Sequence[float]) -> dict[str, Any]:
             "standard_error_percent": std(values) / math.sqrt(n) if n > 1 else None}
 
 
+def signed_rank_p(differences: Sequence[float]) -> float:
+    """Two-sided exact p-value of Wilcoxon's signed-rank test that the differences centre on 0.
+
+    Zeros are dropped; equal magnitudes share their mean rank. The null distribution of the sum
+    of positive ranks is counted exactly over all 2^n sign patterns (ranks doubled to integers).
+    """
+    nonzero = sorted((d for d in differences if d != 0), key=abs)
+    if not nonzero:
+        return 1.0
+    doubled_ranks, start = [], 0
+    while start < len(nonzero):
+        end = start
+        while end + 1 < len(nonzero) and abs(nonzero[end + 1]) == abs(nonzero[start]):
+            end += 1
+        doubled_ranks += [start + end + 2] * (end - start + 1)  # 2 x the mean of ranks start+1 .. end+1
+        start = end + 1
+    counts = [1] + [0] * sum(doubled_ranks)  # counts[s]: sign patterns whose positive ranks sum to s
+    for rank in doubled_ranks:
+        counts = [count + (counts[s - rank] if s >= rank else 0) for s, count in enumerate(counts)]
+    observed = sum(rank for rank, d in zip(doubled_ranks, nonzero) if d > 0)
+    below, above = sum(counts[:observed + 1]), sum(counts[observed:])
+    return min(1.0, 2 * min(below, above) / 2 ** len(nonzero))
+
+
 def verdict(differences: Sequence[float]) -> dict[str, Any]:
     """The verdict on a mode's per-seed deltas minus the control's ([Note: paired verdict])."""
     n = len(differences)
@@ -63,4 +90,5 @@ def verdict(differences: Sequence[float]) -> dict[str, Any]:
         text = f"better than the control by {-center:.2f}% ± {half:.2f}"
     return {"n": n, "differences_percent": list(differences), "mean_percent": center,
             "standard_error_percent": std(differences) / math.sqrt(n), "interval_percent": [low, high],
-            "wins_over_control": sum(d < 0 for d in differences), "text": text}
+            "wins_over_control": sum(d < 0 for d in differences),
+            "signed_rank_p": signed_rank_p(differences), "text": text}
