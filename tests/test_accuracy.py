@@ -56,8 +56,8 @@ def test_full_precision_gradients_by_pattern_and_size() -> None:
 
 
 def _results(losses: dict[str, float]) -> dict:
-    return {"settings": {"steps": 10, "seed": 0}, "modes": {name: {"final_val_loss": loss}
-                                                            for name, loss in losses.items()}}
+    return {"settings": {"steps": 10, "seed": 0},
+            "modes": {name: {"final_val_loss": loss, "train_loss": [4.0, 3.0, loss]} for name, loss in losses.items()}}
 
 
 def test_verdict_pairs_each_seed_with_its_control() -> None:
@@ -137,6 +137,17 @@ def test_report_pools_each_setting_over_its_corpora(tmp_path) -> None:
     assert row.split(" | ")[1:3] == ["costs: +1.20% [+0.16, +2.24] (5; signed-rank p 0.12)",
                                      "noise: +5.00% [-7.71, +17.71] (2; signed-rank p 0.5)"]
     assert json.loads((tmp_path / "accuracy.json").read_text())["by_setting"]["wide"]["all"]["vs_control"]["n"] == 2
+
+
+def test_largest_early_rise_finds_the_spike_within_the_early_steps() -> None:
+    falling = [4.0 - 0.01 * step for step in range(300)]
+    spiked = list(falling)
+    spiked[10] += 0.5  # one step up by 0.5 above a curve falling 0.01 a step
+    late = list(falling)
+    late[200] += 2.0  # after EARLY_STEPS: not an early spike
+    assert accuracy.largest_early_rise(spiked) == pytest.approx(0.49)
+    assert accuracy.largest_early_rise(falling) == pytest.approx(-0.01)
+    assert accuracy.largest_early_rise(late) == pytest.approx(-0.01)
 
 
 def test_update_metrics_see_what_a_code_does_to_zero_entries() -> None:

@@ -34,6 +34,15 @@ STEPS = 300
 """Per run: the demo's default length; the grid's 150+ runs take 3 minutes each at the demo size on
 2 shared cores (1000 steps, as ``zeropp converge`` takes by default, would take 10)."""
 
+EARLY_STEPS = 50
+"""[Note: early loss spikes] The grid's recipe (AdamW at its full learning rate from step 1, no
+warm-up, as the demo trains) makes the train loss jump up for a step or a few between steps 5 and
+20 on some seeds, ZeRO-3's runs included (the Book of Mormon seed 1: +1.8 nats at step 9): an
+Adam step overshoots while the second moments are young. Which steps spike, and how high,
+depends on the exact trajectory, so a perturbed run can spike where ZeRO-3 did not (or not where
+it did), and the gap that leaves lasts to the end. These spikes, not a steady cost, make the
+few deltas of several percent; ``largest_early_rise_nats`` in the report names them per run."""
+
 ATTEMPTS = 3
 """Tries per cell and seed: a job that dies (a gloo rank aborting at exit, after its last step,
 was seen once in the grid's trial runs) is run again rather than ending the grid."""
@@ -148,9 +157,18 @@ def cell_verdict(per_seed: dict[int, dict[str, Any]]) -> dict[str, Any]:
                        **summary(list(deltas.values())),
                        "vs_control": verdict([deltas[k] - control[k] for k in deltas if k in control])}
     settings = {key: value for key, value in first["settings"].items() if key != "seed"}
+    early_rises = {name: {seed: largest_early_rise(results["modes"][name]["train_loss"])
+                          for seed, results in per_seed.items() if name in results["modes"]} for name in names}
     return {"settings": settings, "seeds": sorted(per_seed), "zero3_final_val_losses": baseline,
             "zero3_seed_spread_percent": 100 * std(baseline) / mean(baseline) if len(baseline) > 1 else None,
-            "modes": modes}
+            "modes": modes, "largest_early_rise_nats": early_rises}
+
+
+def largest_early_rise(train_loss: list[float]) -> float:
+    """The largest rise of the train loss from one step to the next in the first ``EARLY_STEPS``:
+    how high the run's early loss spike went ([Note: early loss spikes])."""
+    early = train_loss[:EARLY_STEPS]
+    return max((after - before for before, after in zip(early, early[1:])), default=0.0)
 
 
 def pooled_verdict(cells: dict[str, dict[str, Any]]) -> dict[str, Any]:
