@@ -139,6 +139,28 @@ def test_report_pools_each_setting_over_its_corpora(tmp_path) -> None:
     assert json.loads((tmp_path / "accuracy.json").read_text())["by_setting"]["wide"]["all"]["vs_control"]["n"] == 2
 
 
+def test_against_default_pairs_each_code_with_the_default_on_the_same_seed() -> None:
+    """A code's Δ minus the default's, seed by seed and pooled over cells; seeds where either is
+    missing, and the controls, are left out; the control need not have run."""
+    losses = {"c": [(2.02, 2.00), (2.04, 2.02), (2.00, 2.01)], "d": [(2.06, 2.02), (2.00, None)]}
+    cells = {}
+    for name, runs in losses.items():
+        per_seed = {}
+        for seed, (default, scale8) in enumerate(runs):
+            modes = {"zero3": 2.0, "zero3_order": 2.0, "all": default}
+            if scale8 is not None:
+                modes["all_scale8"] = scale8
+            per_seed[seed] = _results(modes)
+        cells[name] = accuracy.cell_verdict(per_seed)
+    direct = accuracy.against_default(cells)
+    assert list(direct) == ["all_scale8"]
+    # (Δ_scale8 - Δ_all) in percent of ZeRO-3's 2.0: -1, -1, +0.5, -2
+    assert direct["all_scale8"]["differences_percent"] == pytest.approx([-1.0, -1.0, 0.5, -2.0])
+    assert direct["all_scale8"]["text"].startswith("indistinguishable")
+    assert paired.verdict([-1.0, -1.2, -0.8], against="the default (all)")["text"].startswith(
+        "better than the default (all) by 1.00%")
+
+
 def test_largest_early_rise_finds_the_spike_within_the_early_steps() -> None:
     falling = [4.0 - 0.01 * step for step in range(300)]
     spiked = list(falling)

@@ -25,6 +25,9 @@ from zeropp.tools.bench import converge
 from zeropp.tools.bench.paired import CONTROL, mean, std, summary, verdict
 from zeropp.tools.modes import BASELINE
 
+DEFAULT = "all"
+"""The mode every other code is also compared with directly (``against_default``): all three at
+the default settings."""
 ORDER_CONTROL = "zero3_order"
 """The second control ([Note: perturbation controls] in zeropp.tools.modes): the drift of the smallest
 perturbation there is; every mode is paired with ``CONTROL``, whose perturbation is of qwZ's size."""
@@ -121,7 +124,8 @@ def report(out_dir: str | Path) -> dict[str, Any]:
         by_setting.setdefault(setting_of(cell_name, cell), {})[cell_name] = cell
     result = {"control": CONTROL, "cells": cells,
               "by_setting": {name: pooled_verdict(group) for name, group in by_setting.items()},
-              "pooled": pooled_verdict(cells)}
+              "pooled": pooled_verdict(cells),
+              "against_default": {name: against_default(group) for name, group in by_setting.items()}}
     (out_dir / "accuracy.json").write_text(json.dumps(result, indent=1))
     (out_dir / "accuracy.md").write_text(summary_table(result) + "\n\n" + table(result) + "\n")
     plot(out_dir / "accuracy.png", result)
@@ -190,6 +194,21 @@ def pooled_verdict(cells: dict[str, dict[str, Any]]) -> dict[str, Any]:
             for name in differences}
 
 
+def against_default(cells: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per technique other than ``DEFAULT``: its Δ minus the default's on every (cell, seed) where
+    both ran, pooled; the choice between two codes needs no control, as the drift of each is
+    in both deltas alike."""
+    differences: dict[str, list[float]] = {}
+    for cell in cells.values():
+        default = cell["modes"].get(DEFAULT, {}).get("deltas_percent", {})
+        for name, entry in cell["modes"].items():
+            if name not in (DEFAULT, CONTROL, ORDER_CONTROL):
+                differences.setdefault(name, []).extend(
+                    delta - default[seed] for seed, delta in entry["deltas_percent"].items() if seed in default)
+    return {name: verdict(values, against=f"the default ({DEFAULT})")
+            for name, values in differences.items() if values}
+
+
 def summary_table(result: dict[str, Any]) -> str:
     """Markdown: per mode, the verdict pooled over the corpora of each setting, and over every cell."""
     settings = list(result["by_setting"])
@@ -203,6 +222,14 @@ def summary_table(result: dict[str, Any]) -> str:
         key = "delta_alone" if name in (CONTROL, ORDER_CONTROL) else "vs_control"
         lines.append(f"| {name} | " + " | ".join("—" if entry is None else short(entry[key]) for entry in pooled)
                      + " |")
+    direct = result.get("against_default", {})
+    names = list(dict.fromkeys(name for pooled in direct.values() for name in pooled))
+    if names:
+        lines += ["", f"Against the default directly: the mode's Δ minus {DEFAULT}'s Δ on the same seed, "
+                      "pooled over corpora (no control needed)", "",
+                  "| mode | " + " | ".join(direct) + " |", "|---|" + "---|" * len(direct)]
+        lines += [f"| {name} | " + " | ".join(short(pooled[name]) if name in pooled else "—"
+                                              for pooled in direct.values()) + " |" for name in names]
     return "\n".join(lines)
 
 

@@ -74,8 +74,9 @@ def signed_rank_p(differences: Sequence[float]) -> float:
     return min(1.0, 2 * min(below, above) / 2 ** len(nonzero))
 
 
-def verdict(differences: Sequence[float]) -> dict[str, Any]:
-    """The verdict on a mode's per-seed deltas minus the control's ([Note: paired verdict])."""
+def verdict(differences: Sequence[float], *, against: str = "the control") -> dict[str, Any]:
+    """The verdict on a mode's per-seed deltas minus the control's ([Note: paired verdict]), or
+    minus another mode's (``against`` names it in the text)."""
     n = len(differences)
     if n < 2:
         return {"n": n, "differences_percent": list(differences), "mean_percent": mean(differences) if n else None,
@@ -87,7 +88,7 @@ def verdict(differences: Sequence[float]) -> dict[str, Any]:
     elif low > 0:
         text = f"costs {center:.2f}% ± {half:.2f}"
     else:
-        text = f"better than the control by {-center:.2f}% ± {half:.2f}"
+        text = f"better than {against} by {-center:.2f}% ± {half:.2f}"
     return {"n": n, "differences_percent": list(differences), "mean_percent": center,
             "standard_error_percent": std(differences) / math.sqrt(n), "interval_percent": [low, high],
             "wins_over_control": sum(d < 0 for d in differences),
