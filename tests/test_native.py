@@ -1,6 +1,7 @@
-"""The C kernels of the symmetric block code (zeropp.codes.native) against the torch path: the same
-bytes and the same decoded bits for every width they code, both row dtypes, edge sizes and
-values, strided rows and whole chunk layouts; and a machine without a compiler falls back."""
+"""The C kernels of the symmetric block code and of qgZ's grouped-scale gradient code
+(zeropp.codes.native) against the torch path: the same bytes and the same decoded bits for every
+width they code, both row dtypes, edge sizes and values, strided rows and whole chunk layouts;
+and a machine without a compiler falls back."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from test_codec import _random_layouts
 from test_quant_triton import _with_kernel
 from zeropp.codes import native, quant
 from zeropp.codes.codec import ChunkCodec, Segment
+from zeropp.codes.gradcode import GradientCode
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no C kernels: {native.unavailable_reason()}")
 SIZES = (1, 5, 31, 32, 33, 255, 256, 257, 1000, 4096 + 7, 100_003)
@@ -108,3 +110,46 @@ def test_without_a_compiler_zeropp_codes_with_the_torch_path(tmp_path, monkeypat
         monkeypatch.undo()
         native._library.cache_clear()
     assert native.available()
+
+
+def _grouped_layouts() -> list[tuple[list[Segment], int, GradientCode, int, torch.dtype, int]]:
+    """qgZ's grouped-scale codes on ragged chunk layouts: several groups of blocks, partial
+    groups and blocks, one-element segments, every width, both level kinds, both row dtypes."""
+    layouts = []
+    for index, (bits, levels, block_size) in enumerate([(4, "normal", 64), (4, "normal", 256), (2, "normal", 32),
+                                                       (8, "normal", 64), (4, "uniform", 64), (8, "uniform", 32)]):
+        sizes = [16 * block_size * 2 + 5, 1, block_size, 3 * block_size + 7, 16 * block_size]
+        segments = [Segment(numel, bits, grouped_scales=True) for numel in sizes[index % 2:]]
+        code = GradientCode(levels=levels, scale_bits=8)
+        layouts += [(segments, block_size, code, bits, dtype, 1 + index % 3) for dtype in native.DTYPES]
+    return layouts
+
+
+@pytest.mark.parametrize(("segments", "block_size", "code", "bits", "dtype", "rows"), _grouped_layouts())
+def test_grouped_gradient_code_equals_the_torch_path(segments, block_size: int, code: GradientCode, bits: int,
+                                                     dtype: torch.dtype, rows: int) -> None:
+    """Bytes (scale codes and the searched scales included) and decoded bits as the torch path's,
+    on values with zero, subnormal, non-finite and near-overflow blocks and, in the second half,
+    gradients whose blocks mix exact zeros with nonzero values (absent tokens' rows)."""
+    codec = ChunkCodec(segments, block_size, torch.float32, code=code)
+    assert codec._grouped_tables is not None, "the C kernels must take this code"
+    chunks = _input(rows * codec.numel, torch.float32, seed=bits).view(rows, -1)
+    half = chunks[:, codec.numel // 2:]
+    half.copy_(torch.randn(half.shape, generator=torch.Generator().manual_seed(1))
+               * (torch.rand(half.shape, generator=torch.Generator().manual_seed(2)) < 0.7))
+    chunks = chunks.to(dtype)
+    packed = {kernel: torch.full((rows, codec.nbytes), 0xA5, dtype=torch.uint8) for kernel in ("torch", "native")}
+    decoded = {kernel: torch.empty(rows, codec.numel, dtype=dtype) for kernel in ("torch", "native")}
+    for kernel in ("torch", "native"):
+        _with_kernel(kernel, codec.encode, chunks, packed[kernel])
+        _with_kernel(kernel, codec.decode, packed["torch"], decoded[kernel])
+    assert torch.equal(packed["native"], packed["torch"])
+    assert torch.equal(decoded["native"].view(torch.uint8), decoded["torch"].view(torch.uint8))
+
+
+def test_rotated_or_stochastic_codes_keep_the_torch_path() -> None:
+    """The kernels code neither rotation nor stochastic rounding: those codecs take the torch path."""
+    segments = [Segment(1024, 4, grouped_scales=True)]
+    for code in (GradientCode(rotation="hadamard", levels="normal", scale_bits=8),
+                 GradientCode(rounding="stochastic", scale_bits=8)):
+        assert ChunkCodec(segments, 64, torch.float32, code=code)._native_table is None

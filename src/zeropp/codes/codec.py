@@ -102,6 +102,9 @@ class ChunkCodec:
         self._plan = _OnePassPlan(self) if _one_pass_applies(self) else None
         self._native_table = (native.segment_table(self._spans, [s.bits for s in self.segments])
                               if _native_applies(self) else None)
+        self._grouped_tables = (_GroupedTables(self.code, self._plan.bits, block_size)
+                                if self._native_table is not None and self.code is not None and self._plan is not None
+                                else None)
         if self.code is not None and (self._plan is None or self._plan.has_raw or self._plan.asymmetric):
             raise ValueError(f"the gradient code {self.code} needs a chunk of symmetric quantized segments of one "
                              f"width and one float dtype; got segments {self.segments} in {dtype}")
@@ -137,7 +140,10 @@ class ChunkCodec:
         """Write each row of ``chunks`` (num_chunks, numel) as one packed row of ``out``;
         ``generator`` draws the uniforms of stochastic rounding."""
         if self._native(chunks, out):
-            native.encode_chunks(chunks, self._native_table, self.block_size, out)
+            if self._grouped_tables is None:
+                native.encode_chunks(chunks, self._native_table, self.block_size, out)
+            else:
+                native.encode_grouped_chunks(chunks, self._native_table, self.block_size, self._grouped_tables, out)
             return
         plan = self._one_pass(chunks)
         if plan is not None:
@@ -148,7 +154,10 @@ class ChunkCodec:
     def decode(self, packed: Tensor, out: Tensor) -> None:
         """Decode packed rows (num_chunks, nbytes) into the rows of ``out`` (num_chunks, numel)."""
         if self._native(out, packed):
-            native.decode_chunks(packed, self._native_table, self.block_size, out)
+            if self._grouped_tables is None:
+                native.decode_chunks(packed, self._native_table, self.block_size, out)
+            else:
+                native.decode_grouped_chunks(packed, self._native_table, self.block_size, self._grouped_tables, out)
             return
         plan = self._one_pass(out)
         if plan is not None:
@@ -242,10 +251,32 @@ def _one_pass_applies(codec: ChunkCodec) -> bool:
 
 def _native_applies(codec: ChunkCodec) -> bool:
     """Whether the C kernels can code ``codec``'s chunks: the plain symmetric code at widths
-    they take, one dtype (no byte mode) they read; segments may mix widths and raw ones."""
-    return (codec.code is None and not codec.byte_mode and codec.dtype in native.DTYPES
+    they take, one dtype (no byte mode) they read, segments that may mix widths and raw ones;
+    or qgZ's grouped-scale code rounding to nearest, unrotated, with its groups of blocks within
+    a kernel's block buffer."""
+    code = codec.code
+    if code is not None and not (code.grouped_scales and code.rotation == "none" and code.rounding == "nearest"
+                                 and codec.block_size * gradcode.SCALE_GROUP <= native.MAX_BLOCK_SIZE):
+        return False
+    return (not codec.byte_mode and codec.dtype in native.DTYPES
             and all(s.bits is None or (s.bits in native.BITS and not s.asymmetric) for s in codec.segments)
             and codec.block_size <= native.MAX_BLOCK_SIZE)
+
+
+class _GroupedTables:
+    """The constants the C kernels read to code qgZ's grouped-scale gradient code at one width
+    and block size ([Note: grouped scales] and [Note: normal levels] in zeropp.codes.gradcode):
+    the normal levels and their midpoints (None for evenly spaced levels), the 256 decoded scale
+    codes, and the scale search."""
+
+    def __init__(self, code: GradientCode, bits: int, block_size: int) -> None:
+        table = code.table(bits, block_size, torch.device("cpu"))
+        self.bits = bits
+        self.levels = None if table is None else table.contiguous()
+        self.midpoints = (None if table is None else
+                          torch.tensor(gradcode._level_midpoints(bits, block_size), dtype=torch.float32))
+        self.scale_levels = gradcode._scale_levels("cpu").contiguous()
+        self.reach, self.search_steps = gradcode.scale_search(bits, block_size, code)
 
 
 class _Pieces:

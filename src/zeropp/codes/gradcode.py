@@ -214,10 +214,8 @@ def grouped_block_code(blocks: Tensor, bits: int, code: GradientCode, generator:
     top, scale_codes = group_scales(scales.view(-1, SCALE_GROUP))
     decoded = decode_group_scales(top, scale_codes).view(-1)
     codes = block_codes(blocks, decoded, bits, code, generator)
-    outer = 1.0 if code.table(bits, blocks.shape[1], blocks.device) is not None else 2 ** (bits - 1) - 1
-    reach = 1 + max_level_gap(bits, blocks.shape[1], code) / (2 * outer)  # largest s / s' that clips within half a gap
-    num_steps = min(SCALE_SEARCH, 1 + int(math.log2(reach) * SCALE_STEPS))
-    if code.rounding != "nearest" or num_steps == 1:
+    reach, num_steps = scale_search(bits, blocks.shape[1], code)
+    if num_steps == 1:
         return top, scale_codes, codes
     error = _squared_error(codes, decoded, blocks, bits, code)
     first = flat_codes = scale_codes.view(-1)
@@ -235,9 +233,21 @@ def grouped_block_code(blocks: Tensor, bits: int, code: GradientCode, generator:
     return top, flat_codes.view(-1, SCALE_GROUP), codes
 
 
+def scale_search(bits: int, block_size: int, code: GradientCode) -> tuple[float, int]:
+    """The grouped scales' search ([Note: grouped scales]): the largest ratio of a block's own
+    scale to a searched one at which clipping stays within half a level gap, and how many scale
+    codes a whole block tries (1: no search, as for stochastic rounding)."""
+    outer = 1.0 if code.table(bits, block_size, torch.device("cpu")) is not None else 2 ** (bits - 1) - 1
+    reach = 1 + max_level_gap(bits, block_size, code) / (2 * outer)
+    num_steps = min(SCALE_SEARCH, 1 + int(math.log2(reach) * SCALE_STEPS))
+    return reach, num_steps if code.rounding == "nearest" else 1
+
+
 def _squared_error(codes: Tensor, scales: Tensor, blocks: Tensor, bits: int, code: GradientCode) -> Tensor:
-    """Per block, the squared L2 error of coding ``blocks`` as ``codes`` with ``scales``."""
-    return (block_values(codes.clone(), scales, bits, code) - blocks).pow_(2).sum(dim=1)
+    """Per block, the squared L2 error of coding ``blocks`` as ``codes`` with ``scales``: fp32
+    squares summed in fp64, exact and so the same in any order (the C kernels add them one by
+    one, torch in vector lanes) unless a block's squares span more than 2**23 in magnitude."""
+    return (block_values(codes.clone(), scales, bits, code) - blocks).pow_(2).sum(dim=1, dtype=torch.float64)
 
 
 def block_codes(blocks: Tensor, scales: Tensor, bits: int, code: GradientCode,

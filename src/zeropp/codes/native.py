@@ -1,4 +1,5 @@
-"""quant's symmetric block code as native C on CPU (``native_codec.c``): one pass per block.
+"""quant's symmetric block code, and qgZ's grouped-scale gradient code, as native C on CPU
+(``native_codec.c``): one pass per block.
 
 The torch path codes a tensor in a dozen full passes over memory (absmax, division, rounding,
 casts, packing), each a separate kernel; on CPU that is several times a copy's time. The C
@@ -20,6 +21,7 @@ import platform
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -80,6 +82,10 @@ def _library() -> ctypes.CDLL | None:
                                            ctypes.c_int]
     library.zeropp_encode_chunks.argtypes = [ptr, i64, ctypes.c_int, i64, ptr, i64, i64, ptr, i64]
     library.zeropp_decode_chunks.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, ctypes.c_int]
+    library.zeropp_encode_grouped_chunks.argtypes = [ptr, i64, ctypes.c_int, i64, ptr, i64, i64, ctypes.c_int, ptr,
+                                                     ptr, ptr, ctypes.c_int, ctypes.c_float, ptr, i64]
+    library.zeropp_decode_grouped_chunks.argtypes = [ptr, i64, i64, ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr, i64,
+                                                     ctypes.c_int]
     return library
 
 
@@ -141,3 +147,26 @@ def decode_chunks(packed: Tensor, table: Tensor, block_size: int, out: Tensor) -
     """``ChunkCodec.decode`` in one call: payload rows of ``packed`` into the rows of ``out``."""
     _library().zeropp_decode_chunks(packed.data_ptr(), packed.stride(0), packed.shape[0], table.data_ptr(),
                                     table.shape[0], block_size, out.data_ptr(), out.stride(0), DTYPES[out.dtype])
+
+
+def _pointer(tensor: Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()
+
+
+def encode_grouped_chunks(chunks: Tensor, table: Tensor, block_size: int, tables: Any, out: Tensor) -> None:
+    """``encode_chunks`` for qgZ's grouped-scale gradient code (rounding to nearest, unrotated);
+    ``tables`` holds its constants (``bits``; ``levels`` and ``midpoints``, fp32 tensors or None
+    for evenly spaced levels; ``scale_levels``, 256 fp32; ``search_steps`` and ``reach``), as
+    ``zeropp.codes.codec`` builds them from ``zeropp.codes.gradcode``."""
+    _library().zeropp_encode_grouped_chunks(
+        chunks.data_ptr(), chunks.stride(0), DTYPES[chunks.dtype], chunks.shape[0], table.data_ptr(), table.shape[0],
+        block_size, tables.bits, _pointer(tables.levels), _pointer(tables.midpoints), tables.scale_levels.data_ptr(),
+        tables.search_steps, tables.reach, out.data_ptr(), out.stride(0))
+
+
+def decode_grouped_chunks(packed: Tensor, table: Tensor, block_size: int, tables: Any, out: Tensor) -> None:
+    """``decode_chunks`` for the grouped-scale gradient code."""
+    _library().zeropp_decode_grouped_chunks(
+        packed.data_ptr(), packed.stride(0), packed.shape[0], table.data_ptr(), table.shape[0], block_size,
+        tables.bits, _pointer(tables.levels), tables.scale_levels.data_ptr(), out.data_ptr(), out.stride(0),
+        DTYPES[out.dtype])

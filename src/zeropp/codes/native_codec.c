@@ -207,3 +207,185 @@ void zeropp_decode_chunks(const uint8_t *packed, int64_t packed_stride, int64_t 
         }
     }
 }
+
+/* qgZ's grouped-scale gradient code (zeropp/codes/gradcode.py, [Note: grouped scales], [Note:
+ * normal levels]), rounding to nearest, unrotated: the same bytes and values as the one-pass torch
+ * path of zeropp/codes/codec.py. A unit is GROUP blocks sharing one fp32 scale `top`; each block
+ * keeps a byte k, its scale top * scale_levels[k]. `levels` (2**bits values in units of the scale)
+ * and `midpoints` (2**bits - 1, ascending) are the normal levels, or NULL for evenly spaced ones
+ * (scale absmax / qmax). With `search_steps` > 1 a whole block also tries the next scale codes
+ * below its first and keeps the one of least squared error (summed in double, as the torch path
+ * sums it) while the scale times `reach` still covers the block's own scale. */
+#define GROUP 16
+#define NUM_SCALE_CODES 256
+
+typedef struct {
+    int bits;
+    const float *levels, *midpoints, *scale_levels;
+    int search_steps;
+    float reach;
+} GroupedCode;
+
+/* gradcode.group_scales for one block scale: the code of the level at or just above it. */
+static int scale_code(float scale, float top, const float *scale_levels) {
+    float steps = log2f(scale / top) * -32.0f;
+    if (steps != steps) steps = 0.0f;
+    else if (isinf(steps)) steps = steps > 0 ? 254.0f : 0.0f;
+    steps = floorf(steps);
+    int code = steps < 0.0f ? 0 : steps > 254.0f ? 254 : (int)steps;
+    if (code < 254 && top * scale_levels[code + 1] >= scale) code += 1; /* fp32 logs can miss a level */
+    for (int i = 0; i < 2; i++)
+        if (top * scale_levels[code] < scale) code = code > 0 ? code - 1 : 0;
+    if (top * scale_levels[code] < scale) code = 0; /* underflow: the group's scale */
+    return scale == 0.0f ? 255 : code;
+}
+
+/* gradcode.block_codes, rounding to nearest: field minus 2**(bits - 1), into `codes`. */
+static void grouped_block_codes(const float *x, int64_t n, float scale, const GroupedCode *code, int8_t *codes) {
+    float divisor = scale > 0.0f ? scale : INFINITY;
+    int offset = 1 << (code->bits - 1), num_mid = (1 << code->bits) - 1, qmax = offset - 1;
+    for (int64_t i = 0; i < n; i++) {
+        float unit = x[i] / divisor;
+        if (unit != unit) unit = 0.0f;
+        else if (isinf(unit)) unit = unit > 0 ? 3.40282347e38f : -3.40282347e38f;
+        if (code->levels) {
+            int field = 0;
+            for (int m = 0; m < num_mid; m++) field += unit > code->midpoints[m];
+            codes[i] = (int8_t)(field - offset);
+        } else {
+            float rounded = rintf(unit);
+            codes[i] = (int8_t)(rounded < -qmax ? -qmax : rounded > qmax ? qmax : rounded);
+        }
+    }
+}
+
+static float grouped_value(int8_t c, float scale, const GroupedCode *code) {
+    return (code->levels ? code->levels[c + (1 << (code->bits - 1))] : (float)c) * scale;
+}
+
+static double squared_error(const float *x, int64_t n, const int8_t *codes, float scale, const GroupedCode *code) {
+    double sum = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        float diff = grouped_value(codes[i], scale, code) - x[i];
+        sum += (double)(diff * diff);
+    }
+    return sum;
+}
+
+static void encode_grouped_row(const void *row, int dtype, int64_t numel, int64_t block_size, const GroupedCode *code,
+                               uint8_t *data, int64_t data_bytes, uint8_t *params) {
+    static _Thread_local float staged[MAX_BLOCK];
+    static _Thread_local int8_t codes[MAX_BLOCK], trial[MAX_BLOCK];
+    int bits = code->bits, scale_qmax = code->levels ? 1 : (1 << (bits - 1)) - 1;
+    int64_t covered = data_bytes * 8 / bits, unit = block_size * GROUP;
+    for (int64_t unit_start = 0, u = 0; unit_start < numel; unit_start += unit, u++) {
+        float scales[GROUP], top = 0.0f;
+        for (int j = 0; j < GROUP; j++) { /* stage the unit's blocks, zero-padded, and take their scales */
+            int64_t start = unit_start + j * block_size;
+            int64_t n = numel - start < 0 ? 0 : numel - start < block_size ? numel - start : block_size;
+            float *x = staged + j * block_size;
+            if (dtype == DTYPE_FP32) memcpy(x, (const float *)row + start, (size_t)n * 4);
+            else for (int64_t i = 0; i < n; i++) x[i] = bf16_to_fp32(((const uint16_t *)row)[start + i]);
+            memset(x + n, 0, (size_t)(block_size - n) * 4);
+            scales[j] = block_scale(x, block_size, scale_qmax);
+            top = (scales[j] != scales[j] || top != top) ? NAN : scales[j] > top ? scales[j] : top;
+        }
+        memcpy(params + u * (4 + GROUP), &top, 4);
+        uint8_t *scale_codes = params + u * (4 + GROUP) + 4;
+        for (int j = 0; j < GROUP; j++) {
+            int64_t start = unit_start + j * block_size;
+            const float *x = staged + j * block_size;
+            int first = scale_code(scales[j], top, code->scale_levels), chosen = first;
+            float decoded = top * code->scale_levels[first];
+            grouped_block_codes(x, block_size, decoded, code, codes);
+            if (code->search_steps > 1 && start + block_size <= numel) {
+                double error = squared_error(x, block_size, codes, decoded, code);
+                for (int step = 1; step < code->search_steps; step++) {
+                    int candidate = first < 255 ? (first + step > 254 ? 254 : first + step) : 255;
+                    float candidate_scale = top * code->scale_levels[candidate];
+                    grouped_block_codes(x, block_size, candidate_scale, code, trial);
+                    double candidate_error = squared_error(x, block_size, trial, candidate_scale, code);
+                    if (candidate_error < error && candidate_scale * code->reach >= scales[j]) {
+                        error = candidate_error;
+                        chosen = candidate;
+                        memcpy(codes, trial, (size_t)block_size);
+                    }
+                }
+            }
+            scale_codes[j] = (uint8_t)chosen;
+            int64_t stored = covered - start < 0 ? 0 : covered - start < block_size ? covered - start : block_size;
+            if (stored > 0) store_codes(codes, stored, bits, data + start * bits / 8);
+        }
+    }
+}
+
+static void decode_grouped_row(const uint8_t *data, const uint8_t *params, int64_t numel, int64_t block_size,
+                               const GroupedCode *code, void *row, int dtype) {
+    static _Thread_local float values[MAX_BLOCK];
+    int bits = code->bits, per_byte = 8 / bits, mask = (1 << bits) - 1, offset = 1 << (bits - 1);
+    int64_t unit = block_size * GROUP;
+    for (int64_t start = 0, b = 0; start < numel; start += block_size, b++) {
+        int64_t n = numel - start < block_size ? numel - start : block_size;
+        const uint8_t *unit_params = params + (start / unit) * (4 + GROUP);
+        float top;
+        memcpy(&top, unit_params, 4);
+        float scale = top * code->scale_levels[unit_params[4 + b % GROUP]];
+        float *out = dtype == DTYPE_FP32 ? (float *)row + start : values;
+        for (int64_t i = 0; i < n; i++) {
+            int64_t e = start + i;
+            int c = bits == 8 ? (int)(int8_t)data[e] : ((data[e / per_byte] >> (bits * (e % per_byte))) & mask) - offset;
+            out[i] = grouped_value((int8_t)c, scale, code);
+        }
+        if (dtype != DTYPE_FP32)
+            for (int64_t i = 0; i < n; i++) ((uint16_t *)row)[start + i] = fp32_to_bf16(values[i]);
+    }
+}
+
+/* zeropp_encode_chunks / zeropp_decode_chunks for the grouped-scale code: a segment's payload is its
+ * codes (the real elements rounded up to 4 bytes), then per unit its fp32 `top` and GROUP scale codes. */
+void zeropp_encode_grouped_chunks(const void *chunks, int64_t chunk_stride, int dtype, int64_t num_rows,
+                                  const int64_t *table, int64_t num_segments, int64_t block_size, int bits,
+                                  const float *levels, const float *midpoints, const float *scale_levels,
+                                  int search_steps, float reach, uint8_t *out, int64_t out_stride) {
+    GroupedCode code = {bits, levels, midpoints, scale_levels, search_steps, reach};
+    int64_t itemsize = dtype == DTYPE_FP32 ? 4 : 2;
+    for (int64_t r = 0; r < num_rows; r++) {
+        const char *row = (const char *)chunks + r * chunk_stride * itemsize;
+        uint8_t *payload = out + r * out_stride;
+        for (int64_t s = 0; s < num_segments; s++) {
+            const int64_t *segment = table + 5 * s;
+            int64_t offset = segment[0], numel = segment[1], byte = segment[2], nbytes = segment[3];
+            if (segment[4] == 0) {
+                memcpy(payload + byte, row + offset * itemsize, (size_t)nbytes);
+            } else if (numel > 0) {
+                int64_t data_bytes = (numel * bits + 31) / 32 * 4;
+                encode_grouped_row(row + offset * itemsize, dtype, numel, block_size, &code, payload + byte,
+                                   data_bytes, payload + byte + data_bytes);
+            }
+            memset(payload + byte + nbytes, 0, (size_t)((4 - nbytes % 4) % 4));
+        }
+    }
+}
+
+void zeropp_decode_grouped_chunks(const uint8_t *packed, int64_t packed_stride, int64_t num_rows,
+                                  const int64_t *table, int64_t num_segments, int64_t block_size, int bits,
+                                  const float *levels, const float *scale_levels, void *out, int64_t out_stride,
+                                  int dtype) {
+    GroupedCode code = {bits, levels, NULL, scale_levels, 1, 1.0f};
+    int64_t itemsize = dtype == DTYPE_FP32 ? 4 : 2;
+    for (int64_t r = 0; r < num_rows; r++) {
+        const uint8_t *payload = packed + r * packed_stride;
+        char *row = (char *)out + r * out_stride * itemsize;
+        for (int64_t s = 0; s < num_segments; s++) {
+            const int64_t *segment = table + 5 * s;
+            int64_t offset = segment[0], numel = segment[1], byte = segment[2], nbytes = segment[3];
+            if (segment[4] == 0) {
+                memcpy(row + offset * itemsize, payload + byte, (size_t)nbytes);
+            } else if (numel > 0) {
+                int64_t data_bytes = (numel * bits + 31) / 32 * 4;
+                decode_grouped_row(payload + byte, payload + byte + data_bytes, numel, block_size, &code,
+                                   row + offset * itemsize, dtype);
+            }
+        }
+    }
+}
