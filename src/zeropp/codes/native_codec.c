@@ -240,36 +240,79 @@ static int scale_code(float scale, float top, const float *scale_levels) {
     return scale == 0.0f ? 255 : code;
 }
 
-/* gradcode.block_codes, rounding to nearest: field minus 2**(bits - 1), into `codes`. */
-static void grouped_block_codes(const float *x, int64_t n, float scale, const GroupedCode *code, int8_t *codes) {
-    float divisor = scale > 0.0f ? scale : INFINITY;
-    int offset = 1 << (code->bits - 1), num_mid = (1 << code->bits) - 1, qmax = offset - 1;
+/* gradcode.block_codes at normal levels, rounding to nearest, for NUM_MID midpoints: each code is
+ * the number of midpoints strictly below x / scale (NaN counting as 0), minus the offset; and the
+ * squared error of the coding, summed in double (exact, so the order of the eight partial sums
+ * does not matter: gradcode._squared_error). Each midpoint is one pass over the block, which
+ * counts the field and selects the value levels[field] * scale, as the torch path computes it;
+ * simple loops over the block, so they vectorise. */
+#define MAX_GROUPED_BLOCK (MAX_BLOCK / GROUP)
+#define NORMAL_CODE_BLOCK(NUM_MID)                                                                           \
+    static double normal_code_block_##NUM_MID(const float *restrict x, int64_t n, float scale,               \
+                                              const float *restrict levels, const float *restrict midpoints, \
+                                              int8_t *restrict codes) {                                      \
+        float units[MAX_GROUPED_BLOCK], values[MAX_GROUPED_BLOCK];                                           \
+        int32_t fields[MAX_GROUPED_BLOCK];                                                                   \
+        float divisor = scale > 0.0f ? scale : INFINITY, value_of[NUM_MID + 1];                              \
+        for (int k = 0; k <= NUM_MID; k++) value_of[k] = levels[k] * scale;                                  \
+        for (int64_t i = 0; i < n; i++) {                                                                    \
+            float unit = x[i] / divisor;                                                                     \
+            units[i] = unit == unit ? unit : 0.0f;                                                           \
+            fields[i] = 0;                                                                                   \
+            values[i] = value_of[0];                                                                         \
+        }                                                                                                    \
+        for (int k = 0; k < NUM_MID; k++) {                                                                  \
+            float mid = midpoints[k], next = value_of[k + 1];                                                \
+            for (int64_t i = 0; i < n; i++) {                                                                \
+                int above = units[i] > mid;                                                                  \
+                fields[i] += above;                                                                          \
+                values[i] = above ? next : values[i];                                                        \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int64_t i = 0; i < n; i++) codes[i] = (int8_t)(fields[i] - (NUM_MID + 1) / 2);                  \
+        double sums[8] = {0};                                                                                \
+        int64_t whole = n / 8 * 8;                                                                           \
+        for (int64_t i = 0; i < whole; i += 8)                                                               \
+            for (int j = 0; j < 8; j++) {                                                                    \
+                float diff = values[i + j] - x[i + j];                                                       \
+                sums[j] += (double)(diff * diff);                                                            \
+            }                                                                                                \
+        for (int64_t i = whole; i < n; i++) {                                                                \
+            float diff = values[i] - x[i];                                                                   \
+            sums[i - whole] += (double)(diff * diff);                                                        \
+        }                                                                                                    \
+        double sum = 0.0;                                                                                    \
+        for (int j = 0; j < 8; j++) sum += sums[j];                                                          \
+        return sum;                                                                                          \
+    }
+NORMAL_CODE_BLOCK(3)
+NORMAL_CODE_BLOCK(15)
+
+/* gradcode.block_codes at evenly spaced levels, rounding to nearest: round(x / scale) clamped to
+ * +-qmax (NaN counting as 0; clamping before rounding gives the same codes); and, with
+ * `want_error`, the squared error as above. */
+static double uniform_code_block(const float *restrict x, int64_t n, float scale, int qmax, int8_t *restrict codes,
+                                 int want_error) {
+    float divisor = scale > 0.0f ? scale : INFINITY, limit = (float)qmax;
     for (int64_t i = 0; i < n; i++) {
         float unit = x[i] / divisor;
-        if (unit != unit) unit = 0.0f;
-        else if (isinf(unit)) unit = unit > 0 ? 3.40282347e38f : -3.40282347e38f;
-        if (code->levels) {
-            int field = 0;
-            for (int m = 0; m < num_mid; m++) field += unit > code->midpoints[m];
-            codes[i] = (int8_t)(field - offset);
-        } else {
-            float rounded = rintf(unit);
-            codes[i] = (int8_t)(rounded < -qmax ? -qmax : rounded > qmax ? qmax : rounded);
-        }
+        unit = unit == unit ? unit : 0.0f;
+        codes[i] = (int8_t)rintf(unit < -limit ? -limit : unit > limit ? limit : unit);
     }
-}
-
-static float grouped_value(int8_t c, float scale, const GroupedCode *code) {
-    return (code->levels ? code->levels[c + (1 << (code->bits - 1))] : (float)c) * scale;
-}
-
-static double squared_error(const float *x, int64_t n, const int8_t *codes, float scale, const GroupedCode *code) {
     double sum = 0.0;
-    for (int64_t i = 0; i < n; i++) {
-        float diff = grouped_value(codes[i], scale, code) - x[i];
+    for (int64_t i = 0; want_error && i < n; i++) {
+        float diff = (float)codes[i] * scale - x[i];
         sum += (double)(diff * diff);
     }
     return sum;
+}
+
+/* One coding of a block at `scale`: its codes, and the squared error where the search needs it. */
+static double code_block(const float *x, int64_t n, float scale, const GroupedCode *code, int8_t *codes,
+                         int want_error) {
+    if (!code->levels) return uniform_code_block(x, n, scale, (1 << (code->bits - 1)) - 1, codes, want_error);
+    if (code->bits == 2) return normal_code_block_3(x, n, scale, code->levels, code->midpoints, codes);
+    return normal_code_block_15(x, n, scale, code->levels, code->midpoints, codes);
 }
 
 static void encode_grouped_row(const void *row, int dtype, int64_t numel, int64_t block_size, const GroupedCode *code,
@@ -297,14 +340,13 @@ static void encode_grouped_row(const void *row, int dtype, int64_t numel, int64_
             const float *x = staged + j * block_size;
             int first = scale_code(scales[j], top, code->scale_levels), chosen = first;
             float decoded = top * code->scale_levels[first];
-            grouped_block_codes(x, block_size, decoded, code, codes);
-            if (code->search_steps > 1 && start + block_size <= numel) {
-                double error = squared_error(x, block_size, codes, decoded, code);
+            int search = code->search_steps > 1 && start + block_size <= numel;
+            double error = code_block(x, block_size, decoded, code, codes, search);
+            if (search) {
                 for (int step = 1; step < code->search_steps; step++) {
                     int candidate = first < 255 ? (first + step > 254 ? 254 : first + step) : 255;
                     float candidate_scale = top * code->scale_levels[candidate];
-                    grouped_block_codes(x, block_size, candidate_scale, code, trial);
-                    double candidate_error = squared_error(x, block_size, trial, candidate_scale, code);
+                    double candidate_error = code_block(x, block_size, candidate_scale, code, trial, 1);
                     if (candidate_error < error && candidate_scale * code->reach >= scales[j]) {
                         error = candidate_error;
                         chosen = candidate;
@@ -319,10 +361,36 @@ static void encode_grouped_row(const void *row, int dtype, int64_t numel, int64_
     }
 }
 
+/* The block's first n values from its fields: a table of the 2**bits values (levels[field] * scale,
+ * or (field - offset) * scale for evenly spaced levels) looked up per field; 8-bit codes are
+ * evenly spaced, code * scale. */
+static void decode_grouped_block(const uint8_t *bytes, int64_t n, float scale, const GroupedCode *code,
+                                 float *restrict values) {
+    int bits = code->bits, offset = 1 << (bits - 1);
+    if (bits == 8) {
+        for (int64_t i = 0; i < n; i++) values[i] = (float)(int8_t)bytes[i] * scale;
+        return;
+    }
+    float value_of[16];
+    for (int f = 0; f < 2 * offset; f++) value_of[f] = (code->levels ? code->levels[f] : (float)(f - offset)) * scale;
+    int per_byte = 8 / bits, mask = (1 << bits) - 1;
+    int64_t whole = n / per_byte;
+    if (bits == 4) {
+        for (int64_t i = 0; i < whole; i++) {
+            values[2 * i] = value_of[bytes[i] & 0xF];
+            values[2 * i + 1] = value_of[bytes[i] >> 4];
+        }
+    } else {
+        for (int64_t i = 0; i < whole; i++)
+            for (int j = 0; j < 4; j++) values[4 * i + j] = value_of[(bytes[i] >> (2 * j)) & 0x3];
+    }
+    for (int64_t i = whole * per_byte; i < n; i++)
+        values[i] = value_of[(bytes[i / per_byte] >> (bits * (i % per_byte))) & mask];
+}
+
 static void decode_grouped_row(const uint8_t *data, const uint8_t *params, int64_t numel, int64_t block_size,
                                const GroupedCode *code, void *row, int dtype) {
     static _Thread_local float values[MAX_BLOCK];
-    int bits = code->bits, per_byte = 8 / bits, mask = (1 << bits) - 1, offset = 1 << (bits - 1);
     int64_t unit = block_size * GROUP;
     for (int64_t start = 0, b = 0; start < numel; start += block_size, b++) {
         int64_t n = numel - start < block_size ? numel - start : block_size;
@@ -330,14 +398,13 @@ static void decode_grouped_row(const uint8_t *data, const uint8_t *params, int64
         float top;
         memcpy(&top, unit_params, 4);
         float scale = top * code->scale_levels[unit_params[4 + b % GROUP]];
-        float *out = dtype == DTYPE_FP32 ? (float *)row + start : values;
-        for (int64_t i = 0; i < n; i++) {
-            int64_t e = start + i;
-            int c = bits == 8 ? (int)(int8_t)data[e] : ((data[e / per_byte] >> (bits * (e % per_byte))) & mask) - offset;
-            out[i] = grouped_value((int8_t)c, scale, code);
-        }
-        if (dtype != DTYPE_FP32)
+        const uint8_t *bytes = data + start * code->bits / 8;
+        if (dtype == DTYPE_FP32) {
+            decode_grouped_block(bytes, n, scale, code, (float *)row + start);
+        } else {
+            decode_grouped_block(bytes, n, scale, code, values);
             for (int64_t i = 0; i < n; i++) ((uint16_t *)row)[start + i] = fp32_to_bf16(values[i]);
+        }
     }
 }
 
