@@ -159,13 +159,20 @@ void zeropp_decode_rows(const uint8_t *data, int64_t data_stride, const float *s
                    (char *)rows + r * row_stride * itemsize, dtype);
 }
 
+typedef struct GroupedCode GroupedCode;
+static void encode_grouped_row(const void *row, int dtype, int64_t numel, int64_t block_size, const GroupedCode *code,
+                               uint8_t *data, int64_t data_bytes, uint8_t *params);
+static void decode_grouped_row(const uint8_t *data, const uint8_t *params, int64_t numel, int64_t block_size,
+                               const GroupedCode *code, void *row, int dtype);
+
 /* A chunk codec's payload rows in one call (zeropp/codes/codec.py, ChunkCodec): each row of `chunks`
  * is a run of segments, each quantized on its own (its codes, then its blocks' fp32 scales) or
  * copied as it is, every segment starting 4-byte aligned with zeros in the gaps. `table` holds
  * five int64 per segment: element offset in the row, elements, byte offset in the payload,
- * bytes before alignment, bits (0: copied). */
-void zeropp_encode_chunks(const void *chunks, int64_t chunk_stride, int dtype, int64_t num_rows,
-                          const int64_t *table, int64_t num_segments, int64_t block_size, uint8_t *out,
+ * bytes before alignment, bits (0: copied).
+ * Both codes walk a payload alike: `code` NULL is the plain block code, else the grouped-scale one. */
+static void encode_chunks(const void *chunks, int64_t chunk_stride, int dtype, int64_t num_rows, const int64_t *table,
+                          int64_t num_segments, int64_t block_size, const GroupedCode *code, uint8_t *out,
                           int64_t out_stride) {
     int64_t itemsize = dtype == DTYPE_FP32 ? 4 : 2;
     for (int64_t r = 0; r < num_rows; r++) {
@@ -179,16 +186,21 @@ void zeropp_encode_chunks(const void *chunks, int64_t chunk_stride, int dtype, i
                 memcpy(payload + byte, row + offset * itemsize, (size_t)nbytes);
             } else if (numel > 0) {
                 int64_t data_bytes = (numel * bits + 31) / 32 * 4;
-                encode_row(row + offset * itemsize, dtype, numel, block_size, bits, payload + byte, data_bytes,
-                           (float *)(payload + byte + data_bytes));
+                if (code)
+                    encode_grouped_row(row + offset * itemsize, dtype, numel, block_size, code, payload + byte,
+                                       data_bytes, payload + byte + data_bytes);
+                else
+                    encode_row(row + offset * itemsize, dtype, numel, block_size, bits, payload + byte, data_bytes,
+                               (float *)(payload + byte + data_bytes));
             }
             memset(payload + byte + nbytes, 0, (size_t)((4 - nbytes % 4) % 4));
         }
     }
 }
 
-void zeropp_decode_chunks(const uint8_t *packed, int64_t packed_stride, int64_t num_rows, const int64_t *table,
-                          int64_t num_segments, int64_t block_size, void *out, int64_t out_stride, int dtype) {
+static void decode_chunks(const uint8_t *packed, int64_t packed_stride, int64_t num_rows, const int64_t *table,
+                          int64_t num_segments, int64_t block_size, const GroupedCode *code, void *out,
+                          int64_t out_stride, int dtype) {
     int64_t itemsize = dtype == DTYPE_FP32 ? 4 : 2;
     for (int64_t r = 0; r < num_rows; r++) {
         const uint8_t *payload = packed + r * packed_stride;
@@ -201,11 +213,26 @@ void zeropp_decode_chunks(const uint8_t *packed, int64_t packed_stride, int64_t 
                 memcpy(row + offset * itemsize, payload + byte, (size_t)nbytes);
             } else if (numel > 0) {
                 int64_t data_bytes = (numel * bits + 31) / 32 * 4;
-                decode_row(payload + byte, (const float *)(payload + byte + data_bytes), numel, block_size, bits,
-                           row + offset * itemsize, dtype);
+                if (code)
+                    decode_grouped_row(payload + byte, payload + byte + data_bytes, numel, block_size, code,
+                                       row + offset * itemsize, dtype);
+                else
+                    decode_row(payload + byte, (const float *)(payload + byte + data_bytes), numel, block_size, bits,
+                               row + offset * itemsize, dtype);
             }
         }
     }
+}
+
+void zeropp_encode_chunks(const void *chunks, int64_t chunk_stride, int dtype, int64_t num_rows,
+                          const int64_t *table, int64_t num_segments, int64_t block_size, uint8_t *out,
+                          int64_t out_stride) {
+    encode_chunks(chunks, chunk_stride, dtype, num_rows, table, num_segments, block_size, NULL, out, out_stride);
+}
+
+void zeropp_decode_chunks(const uint8_t *packed, int64_t packed_stride, int64_t num_rows, const int64_t *table,
+                          int64_t num_segments, int64_t block_size, void *out, int64_t out_stride, int dtype) {
+    decode_chunks(packed, packed_stride, num_rows, table, num_segments, block_size, NULL, out, out_stride, dtype);
 }
 
 /* qgZ's grouped-scale gradient code (zeropp/codes/gradcode.py, [Note: grouped scales], [Note:
@@ -219,12 +246,12 @@ void zeropp_decode_chunks(const uint8_t *packed, int64_t packed_stride, int64_t 
 #define GROUP 16
 #define NUM_SCALE_CODES 256
 
-typedef struct {
+struct GroupedCode {
     int bits;
     const float *levels, *midpoints, *scale_levels;
     int search_steps;
     float reach;
-} GroupedCode;
+};
 
 /* gradcode.group_scales for one block scale: the code of the level at or just above it. */
 static int scale_code(float scale, float top, const float *scale_levels) {
@@ -415,23 +442,7 @@ void zeropp_encode_grouped_chunks(const void *chunks, int64_t chunk_stride, int 
                                   const float *levels, const float *midpoints, const float *scale_levels,
                                   int search_steps, float reach, uint8_t *out, int64_t out_stride) {
     GroupedCode code = {bits, levels, midpoints, scale_levels, search_steps, reach};
-    int64_t itemsize = dtype == DTYPE_FP32 ? 4 : 2;
-    for (int64_t r = 0; r < num_rows; r++) {
-        const char *row = (const char *)chunks + r * chunk_stride * itemsize;
-        uint8_t *payload = out + r * out_stride;
-        for (int64_t s = 0; s < num_segments; s++) {
-            const int64_t *segment = table + 5 * s;
-            int64_t offset = segment[0], numel = segment[1], byte = segment[2], nbytes = segment[3];
-            if (segment[4] == 0) {
-                memcpy(payload + byte, row + offset * itemsize, (size_t)nbytes);
-            } else if (numel > 0) {
-                int64_t data_bytes = (numel * bits + 31) / 32 * 4;
-                encode_grouped_row(row + offset * itemsize, dtype, numel, block_size, &code, payload + byte,
-                                   data_bytes, payload + byte + data_bytes);
-            }
-            memset(payload + byte + nbytes, 0, (size_t)((4 - nbytes % 4) % 4));
-        }
-    }
+    encode_chunks(chunks, chunk_stride, dtype, num_rows, table, num_segments, block_size, &code, out, out_stride);
 }
 
 void zeropp_decode_grouped_chunks(const uint8_t *packed, int64_t packed_stride, int64_t num_rows,
@@ -439,20 +450,5 @@ void zeropp_decode_grouped_chunks(const uint8_t *packed, int64_t packed_stride, 
                                   const float *levels, const float *scale_levels, void *out, int64_t out_stride,
                                   int dtype) {
     GroupedCode code = {bits, levels, NULL, scale_levels, 1, 1.0f};
-    int64_t itemsize = dtype == DTYPE_FP32 ? 4 : 2;
-    for (int64_t r = 0; r < num_rows; r++) {
-        const uint8_t *payload = packed + r * packed_stride;
-        char *row = (char *)out + r * out_stride * itemsize;
-        for (int64_t s = 0; s < num_segments; s++) {
-            const int64_t *segment = table + 5 * s;
-            int64_t offset = segment[0], numel = segment[1], byte = segment[2], nbytes = segment[3];
-            if (segment[4] == 0) {
-                memcpy(row + offset * itemsize, payload + byte, (size_t)nbytes);
-            } else if (numel > 0) {
-                int64_t data_bytes = (numel * bits + 31) / 32 * 4;
-                decode_grouped_row(payload + byte, payload + byte + data_bytes, numel, block_size, &code,
-                                   row + offset * itemsize, dtype);
-            }
-        }
-    }
+    decode_chunks(packed, packed_stride, num_rows, table, num_segments, block_size, &code, out, out_stride, dtype);
 }
