@@ -112,6 +112,10 @@ def test_pooled_verdict_takes_every_cell_and_seed() -> None:
     pooled = accuracy.pooled_verdict(cells)["all"]
     assert pooled["vs_control"]["n"] == 5 and pooled["vs_control"]["mean_percent"] == pytest.approx(1.2)
     assert pooled["delta_alone"]["differences_percent"] == pytest.approx([1.0, 2.0, 0.0, 1.0, 2.0])
+    # the delta alone is against ZeRO-3 (0), not against the control
+    below = accuracy.pooled_verdict({"a": accuracy.cell_verdict({seed: _results({"zero3": 2.0, "all": 2.0 * (1 - d)})
+                                                                  for seed, d in enumerate([0.019, 0.02, 0.021])})})
+    assert below["all"]["delta_alone"]["text"].startswith("better than ZeRO-3 by 2.00%")
 
 
 def test_report_pools_each_setting_over_its_corpora(tmp_path) -> None:

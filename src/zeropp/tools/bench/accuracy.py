@@ -190,7 +190,7 @@ def pooled_verdict(cells: dict[str, dict[str, Any]]) -> dict[str, Any]:
             control = entry["control_deltas_percent"]
             differences.setdefault(name, []).extend(entry["deltas_percent"][k] - control[k] for k in control)
             deltas.setdefault(name, []).extend(entry["deltas_percent"].values())
-    return {name: {"vs_control": verdict(differences[name]), "delta_alone": verdict(deltas[name])}
+    return {name: {"vs_control": verdict(differences[name]), "delta_alone": verdict(deltas[name], against="ZeRO-3")}
             for name in differences}
 
 
