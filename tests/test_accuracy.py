@@ -141,6 +141,7 @@ def test_report_pools_each_setting_over_its_corpora(tmp_path) -> None:
     assert row.split(" | ")[1:3] == ["costs: +1.20% [+0.16, +2.24] (5; signed-rank p 0.12)",
                                      "noise: +5.00% [-7.71, +17.71] (2; signed-rank p 0.5)"]
     assert json.loads((tmp_path / "accuracy.json").read_text())["by_setting"]["wide"]["all"]["vs_control"]["n"] == 2
+    assert (tmp_path / "accuracy.png").stat().st_size > 0
 
 
 def test_against_default_pairs_each_code_with_the_default_on_the_same_seed() -> None:

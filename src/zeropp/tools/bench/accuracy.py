@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,8 +82,8 @@ PASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
 attributed to each technique, the lowest-error gradient code where its blocks hold whole rows,
 then the default against that code where rows share blocks (the choice of default turns on
 that pair, which needs no control), the narrow setting's control, the spared code, and the
-default on a wider setting (the slowest runs, last). hpZ alone is not in the grid: its training is bit-identical to ZeRO-3's
-(docs/results.md), so its delta is 0 on every seed."""
+default on a wider setting (the slowest runs, last). hpZ alone is not in the grid: its training
+is bit-identical to ZeRO-3's (docs/results.md), so its delta is 0 on every seed."""
 
 
 def run(out_dir: str | Path, *, corpora: Sequence[str] = CORPORA, seeds: Sequence[int] = SEEDS,
@@ -277,34 +278,78 @@ def _pm(entry: dict[str, Any]) -> str:
 
 
 def plot(path: Path, result: dict[str, Any]) -> None:
-    """Per cell, each mode's paired delta minus the control's: dots per seed, mean and 95% interval."""
+    """One row per setting. Left: each mode's Δ minus the control's per (corpus, seed), the verdict;
+    right: each code's Δ minus the default's on the same seed. Dots per seed, one marker per
+    corpus; the pooled mean and 95% interval beside them. The y range follows the dots, so an
+    interval from two seeds does not flatten the rest: one cut off ends in an arrow."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cells = list(result["cells"].items())
-    if not cells:
+    settings = list(result["by_setting"])
+    if not settings:
         return
-    fig, axes = plt.subplots(1, len(cells), figsize=(3.2 * len(cells) + 1, 4), sharey=True, squeeze=False)
-    for ax, (cell_name, cell) in zip(axes[0], cells):
-        names = [name for name in cell["modes"] if name != CONTROL]
-        for i, name in enumerate(names):
-            entry = cell["modes"][name]["vs_control"]
-            ax.plot([i] * entry["n"], entry["differences_percent"], "k.", ms=5)
-            if entry["interval_percent"] is not None:
-                low, high = entry["interval_percent"]
-                mean = entry["mean_percent"]
-                ax.errorbar(i, mean, yerr=[[mean - low], [high - mean]], fmt="o", color=f"C{i}", capsize=4)
-        ax.axhline(0, color="k", lw=0.8)
-        ax.axhspan(-0.3, 0.3, color="grey", alpha=0.15)
-        ax.set_xticks(range(len(names)), names, rotation=30, fontsize=8)
-        ax.set_title(f"{cell_name} ({len(cell['seeds'])} seeds)", fontsize=9)
-    axes[0][0].set_ylabel(f"Δ val loss vs ZeRO-3 minus {CONTROL}'s (%)")
-    fig.suptitle("paired cost per seed (dots), mean and 95% interval; grey: ±0.3%", fontsize=9)
-    fig.tight_layout()
+    corpora = sorted({cell["settings"]["corpus"] for cell in result["cells"].values()})
+    markers = dict(zip(corpora, "o^sDv"))
+    names = dict.fromkeys(name for cell in result["cells"].values() for name in cell["modes"] if name != CONTROL)
+    colors = {name: f"C{i % 10}" for i, name in enumerate(names)}
+    fig, axes = plt.subplots(len(settings), 2, figsize=(12, 3.2 * len(settings)), squeeze=False)
+    for row, setting in zip(axes, settings):
+        cells = {name: cell for name, cell in result["cells"].items() if setting_of(name, cell) == setting}
+        left = {name: {cell["settings"]["corpus"]: cell["modes"][name]["vs_control"]["differences_percent"]
+                       for cell in cells.values() if name in cell["modes"]}
+                for name, pooled in result["by_setting"][setting].items() if name != CONTROL}
+        right = {name: {corpus: [delta - cell["modes"][DEFAULT]["deltas_percent"][seed]
+                                 for seed, delta in cell["modes"][name]["deltas_percent"].items()
+                                 if seed in cell["modes"][DEFAULT]["deltas_percent"]]
+                        for cell in cells.values() if name in cell["modes"] and DEFAULT in cell["modes"]
+                        for corpus in [cell["settings"]["corpus"]]}
+                 for name in result["against_default"].get(setting, {})}
+        _panel(row[0], left, {name: result["by_setting"][setting][name]["vs_control"] for name in left},
+               markers, colors)
+        row[0].set_title(f"{setting}: Δ minus {CONTROL}'s Δ (the verdict)", fontsize=9)
+        _panel(row[1], right, result["against_default"].get(setting, {}), markers, colors)
+        row[1].set_title(f"{setting}: Δ minus the default's ({DEFAULT}) on the same seed", fontsize=9)
+        row[0].set_ylabel("difference, % of ZeRO-3's val loss")
+    handles = [plt.Line2D([], [], ls="", marker=markers[c], color="k", mfc="none", label=c) for c in corpora]
+    fig.legend(handles=handles, loc="upper right", fontsize=8)
+    fig.suptitle("per seed (markers by corpus), pooled mean and 95% t interval; grey: ±0.3%", fontsize=9)
+    fig.tight_layout(rect=(0, 0, 0.93, 0.97))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _panel(ax, dots: dict[str, dict[str, list[float]]], verdicts: dict[str, dict[str, Any]],
+           markers: dict[str, str], colors: dict[str, str]) -> None:
+    """One panel of ``plot``: per mode, its per-seed differences and their pooled verdict."""
+    names = [name for name in dots if any(dots[name].values())]
+    values = [v for name in names for per_corpus in dots[name].values() for v in per_corpus]
+    if not values:
+        ax.text(0.5, 0.5, "no pairs yet", ha="center", va="center", transform=ax.transAxes, fontsize=9)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        return
+    ax.axhline(0, color="k", lw=0.8)
+    ax.axhspan(-0.3, 0.3, color="grey", alpha=0.15)
+    limit = 1.25 * max(abs(v) for v in values) + 0.5
+    for i, name in enumerate(names):
+        for j, (corpus, per_corpus) in enumerate(sorted(dots[name].items())):
+            ax.plot([i - 0.15 + 0.1 * j] * len(per_corpus), per_corpus, ls="", marker=markers[corpus],
+                    ms=4, color=colors[name], mfc="none")
+        entry = verdicts.get(name)
+        if entry and entry["interval_percent"] is not None:
+            low, high = entry["interval_percent"]
+            ax.vlines(i + 0.25, max(low, -limit), min(high, limit), color=colors[name], lw=2)
+            ax.plot(i + 0.25, entry["mean_percent"], "o", color=colors[name])
+            for end in (low, high):
+                if abs(end) > limit:
+                    ax.annotate("", xy=(i + 0.25, math.copysign(limit, end)),
+                                xytext=(i + 0.25, math.copysign(0.8 * limit, end)),
+                                arrowprops={"arrowstyle": "->", "color": colors[name]})
+    ax.set_ylim(-limit, limit)
+    ax.set_xlim(-0.6, len(names) - 0.4)
+    ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
