@@ -296,20 +296,23 @@ def plot(path: Path, result: dict[str, Any]) -> None:
     colors = {name: f"C{i % 10}" for i, name in enumerate(names)}
     fig, axes = plt.subplots(len(settings), 2, figsize=(12, 3.2 * len(settings)), squeeze=False)
     for row, setting in zip(axes, settings):
-        cells = {name: cell for name, cell in result["cells"].items() if setting_of(name, cell) == setting}
-        left = {name: {cell["settings"]["corpus"]: cell["modes"][name]["vs_control"]["differences_percent"]
-                       for cell in cells.values() if name in cell["modes"]}
-                for name, pooled in result["by_setting"][setting].items() if name != CONTROL}
-        right = {name: {corpus: [delta - cell["modes"][DEFAULT]["deltas_percent"][seed]
-                                 for seed, delta in cell["modes"][name]["deltas_percent"].items()
-                                 if seed in cell["modes"][DEFAULT]["deltas_percent"]]
-                        for cell in cells.values() if name in cell["modes"] and DEFAULT in cell["modes"]
-                        for corpus in [cell["settings"]["corpus"]]}
-                 for name in result["against_default"].get(setting, {})}
+        direct = result["against_default"].get(setting, {})
+        left: dict[str, dict[str, list[float]]] = {}  # mode -> corpus -> per-seed differences
+        right: dict[str, dict[str, list[float]]] = {}
+        for cell_name, cell in result["cells"].items():
+            if setting_of(cell_name, cell) != setting:
+                continue
+            corpus, default = cell["settings"]["corpus"], cell["modes"].get(DEFAULT, {}).get("deltas_percent", {})
+            for name, entry in cell["modes"].items():
+                if name != CONTROL:
+                    left.setdefault(name, {})[corpus] = entry["vs_control"]["differences_percent"]
+                if name in direct:
+                    right.setdefault(name, {})[corpus] = [delta - default[seed] for seed, delta
+                                                          in entry["deltas_percent"].items() if seed in default]
         _panel(row[0], left, {name: result["by_setting"][setting][name]["vs_control"] for name in left},
                markers, colors)
         row[0].set_title(f"{setting}: Δ minus {CONTROL}'s Δ (the verdict)", fontsize=9)
-        _panel(row[1], right, result["against_default"].get(setting, {}), markers, colors)
+        _panel(row[1], right, direct, markers, colors)
         row[1].set_title(f"{setting}: Δ minus the default's ({DEFAULT}) on the same seed", fontsize=9)
         row[0].set_ylabel("difference, % of ZeRO-3's val loss")
     handles = [plt.Line2D([], [], ls="", marker=markers[c], color="k", mfc="none", label=c) for c in corpora]
