@@ -201,13 +201,17 @@ def against_default(cells: dict[str, dict[str, Any]]) -> dict[str, Any]:
     in both deltas alike."""
     differences: dict[str, list[float]] = {}
     for cell in cells.values():
-        default = cell["modes"].get(DEFAULT, {}).get("deltas_percent", {})
-        for name, entry in cell["modes"].items():
+        for name in cell["modes"]:
             if name not in (DEFAULT, CONTROL, ORDER_CONTROL):
-                differences.setdefault(name, []).extend(
-                    delta - default[seed] for seed, delta in entry["deltas_percent"].items() if seed in default)
+                differences.setdefault(name, []).extend(minus_default(cell, name))
     return {name: verdict(values, against=f"the default ({DEFAULT})")
             for name, values in differences.items() if values}
+
+
+def minus_default(cell: dict[str, Any], name: str) -> list[float]:
+    """Per seed of ``cell`` where both ran: the Δ of ``name`` minus the default's."""
+    default = cell["modes"].get(DEFAULT, {}).get("deltas_percent", {})
+    return [delta - default[seed] for seed, delta in cell["modes"][name]["deltas_percent"].items() if seed in default]
 
 
 def summary_table(result: dict[str, Any]) -> str:
@@ -302,13 +306,12 @@ def plot(path: Path, result: dict[str, Any]) -> None:
         for cell_name, cell in result["cells"].items():
             if setting_of(cell_name, cell) != setting:
                 continue
-            corpus, default = cell["settings"]["corpus"], cell["modes"].get(DEFAULT, {}).get("deltas_percent", {})
+            corpus = cell["settings"]["corpus"]
             for name, entry in cell["modes"].items():
                 if name != CONTROL:
                     left.setdefault(name, {})[corpus] = entry["vs_control"]["differences_percent"]
                 if name in direct:
-                    right.setdefault(name, {})[corpus] = [delta - default[seed] for seed, delta
-                                                          in entry["deltas_percent"].items() if seed in default]
+                    right.setdefault(name, {})[corpus] = minus_default(cell, name)
         _panel(row[0], left, {name: result["by_setting"][setting][name]["vs_control"] for name in left},
                markers, colors)
         row[0].set_title(f"{setting}: Δ minus {CONTROL}'s Δ (the verdict)", fontsize=9)
