@@ -4,7 +4,9 @@ Every rule is a *checker*, ``(key, value) -> normalised value`` raising ``ValueE
 table per dataclass. ``__post_init__`` runs the table over the fields; the DeepSpeed reader runs the
 same checkers under the dotted key the user wrote (``zero_optimization.zero_hpz_partition_size``),
 so each rule has one implementation and every error names the key, the value and what is allowed.
-Checks that need the world size or the topology (hpZ divides the world, ...) live with the topology.
+Checks that need the topology or the model (hpZ divides the ranks per node, a unit's sharding)
+live with the topology and the sharding; they and the cross-field checks here call each field by
+``key_of``, so a config read from DeepSpeed is refused in the keys the user wrote.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 import pathlib
 import reprlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any, NoReturn
 
 import torch
@@ -95,10 +97,30 @@ _BETAS = _checker(
 )
 
 
-def _check_fields(instance: object, checks: Mapping[str, Checker]) -> None:
-    """Run each field's checker and store the normalised value (for ``__post_init__``)."""
+@dataclass(frozen=True, kw_only=True)
+class _KeyedConfig:
+    """A config whose errors call each field what the user called it: see ``key_of``."""
+
+    input_keys: InitVar[Mapping[str, str] | None] = None
+    """The key each field was read from, by field name (``hpz_partition_size`` ->
+    ``zero_optimization.zero_hpz_partition_size``); the DeepSpeed reader sets it, and a field not in
+    it is called by its name. Not a setting: configs that differ only here are equal."""
+
+    def __post_init__(self, input_keys: Mapping[str, str] | None) -> None:
+        object.__setattr__(self, "_input_keys", dict(input_keys or {}))
+
+    def key_of(self, name: str) -> str:
+        """What the user called field ``name``: the DeepSpeed key it was read from, or the field
+        name for a config built directly. Every error raised from a field's value names it so,
+        here and in the checks that run later (``zeropp.hpz.check_hpz``, ``zeropp.sharding``)."""
+        return self._input_keys.get(name, name)
+
+
+def _check_fields(config: _KeyedConfig, checks: Mapping[str, Checker]) -> None:
+    """Run each field's checker under the field's key and store the normalised value (for
+    ``__post_init__``)."""
     for name, check in checks.items():
-        object.__setattr__(instance, name, check(name, getattr(instance, name)))
+        object.__setattr__(config, name, check(config.key_of(name), getattr(config, name)))
 
 
 def _check_params(key: str, params: Any, checks: Mapping[str, Checker]) -> dict[str, Any]:
@@ -141,7 +163,7 @@ _ZEROPP_CHECKS: dict[str, Checker] = {
 
 
 @dataclass(frozen=True, kw_only=True)
-class ZeroPPConfig:
+class ZeroPPConfig(_KeyedConfig):
     """Which ZeRO++ techniques to apply on top of FSDP2, and how (docs/design.md: qwZ, hpZ, qgZ)."""
 
     quantized_weights: bool = False
@@ -224,43 +246,49 @@ class ZeroPPConfig:
     reduce_dtype: torch.dtype | None = None
     """Dtype of the gradient reduction; None keeps the gradients' dtype."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, input_keys: Mapping[str, str] | None) -> None:
+        super().__post_init__(input_keys)
         _check_fields(self, _ZEROPP_CHECKS)
         self._check_bits()
+        key = self.key_of
         if self.grad_full_precision_parameters and not self.quantized_gradients:
-            raise ValueError(f"grad_full_precision_parameters={list(self.grad_full_precision_parameters)} chooses "
-                             "gradients qgZ leaves unquantized, but qgZ is off: set quantized_gradients=true "
-                             "(DeepSpeed JSON: zero_optimization.zero_quantized_gradients) or leave it empty")
+            raise ValueError(f"{key('grad_full_precision_parameters')}={list(self.grad_full_precision_parameters)} "
+                             "chooses gradients qgZ leaves unquantized, but qgZ is off: set "
+                             f"{key('quantized_gradients')}=true or leave it empty")
         spares = self.grad_full_precision_parameters or self.grad_full_precision_below
         if spares and self.quantized_gradients and not self.gradient_code.is_plain:
-            raise ValueError(f"grad_full_precision_parameters={list(self.grad_full_precision_parameters)} / "
-                             f"grad_full_precision_below={self.grad_full_precision_below} send some gradients "
-                             "unquantized, which the plain block code does and the lower-error codes do not "
-                             f"(grad_rotation={self.grad_rotation!r}, grad_rounding={self.grad_rounding!r}, "
-                             f"grad_levels={self.grad_levels!r}, grad_scale_bits={self.grad_scale_bits}): "
+            raise ValueError(f"{key('grad_full_precision_parameters')}={list(self.grad_full_precision_parameters)} / "
+                             f"{key('grad_full_precision_below')}={self.grad_full_precision_below} send some "
+                             "gradients unquantized, which the plain block code does and the lower-error codes do "
+                             f"not ({key('grad_rotation')}={self.grad_rotation!r}, "
+                             f"{key('grad_rounding')}={self.grad_rounding!r}, {key('grad_levels')}="
+                             f"{self.grad_levels!r}, {key('grad_scale_bits')}={self.grad_scale_bits}): "
                              "leave those at their defaults, or spare no parameter")
         if self.hierarchical_gather and not self.quantizes_weights:
-            raise ValueError("hierarchical_gather=true changes qwZ's weight gather, which is off: set "
-                             "quantized_weights=true (DeepSpeed JSON: zero_optimization.zero_quantized_weights) "
-                             "or quantized_nontrainable_weights=true, or leave hierarchical_gather false")
+            raise ValueError(f"{key('hierarchical_gather')}=true changes qwZ's weight gather, which is off: set "
+                             f"{key('quantized_weights')}=true or {key('quantized_nontrainable_weights')}=true, "
+                             f"or leave {key('hierarchical_gather')} false")
 
     def _check_bits(self) -> None:
         """Each code width fits the block size, and 2- or 3-bit trainable weights are asked for."""
+        key = self.key_of
         widths = {"weight_bits": self.weight_bits} if self.quantizes_weights else {}
         if self.quantized_gradients:
             widths.update(grad_bits_intra=self.grad_bits_intra, grad_bits_inter=self.grad_bits_inter)
-        for key, bits in widths.items():
-            name, size = ("block_size", self.block_size) if key == "weight_bits" else self._grad_block_key
+        for bits_name, bits in widths.items():
+            size_name, size = ("block_size", self.block_size) if bits_name == "weight_bits" else self._grad_block_key
             if size < min_block_size(bits):
-                raise ValueError(f"{name}={size} is not allowed with {key}={bits}: a block's codes must "
-                                 f"fill whole 4-byte words; allowed: {name} >= {min_block_size(bits)}")
+                raise ValueError(f"{key(size_name)}={size} is not allowed with {key(bits_name)}={bits}: a block's "
+                                 f"codes must fill whole 4-byte words; allowed: {key(size_name)} >= "
+                                 f"{min_block_size(bits)}")
         if self.quantized_weights and self.weight_bits < 4 and not self.low_bit_trainable_weights:
             raise ValueError(
-                f"weight_bits={self.weight_bits} with quantized_weights=true is not allowed: it would quantize the "
-                f"weights being trained to {2 ** self.weight_bits - 1} levels per block, and the ZeRO++ paper uses "
-                "2 and 3 bits only for frozen weights. Allowed: weight_bits >= 4; or quantized_nontrainable_weights "
-                "alone (frozen weights, e.g. a LoRA base); or low_bit_trainable_weights=true (DeepSpeed JSON: "
-                "zero_optimization.zeropp.low_bit_trainable_weights) to train through the coarse code anyway")
+                f"{key('weight_bits')}={self.weight_bits} with {key('quantized_weights')}=true is not allowed: it "
+                f"would quantize the weights being trained to {2 ** self.weight_bits - 1} levels per block, and the "
+                "ZeRO++ paper uses 2 and 3 bits only for frozen weights. Allowed: "
+                f"{key('weight_bits')} >= 4; or {key('quantized_nontrainable_weights')} alone (frozen weights, "
+                f"e.g. a LoRA base); or {key('low_bit_trainable_weights')}=true to train through the coarse code "
+                "anyway")
 
     @property
     def _grad_block_key(self) -> tuple[str, int]:
@@ -397,7 +425,7 @@ _TRAINING_CHECKS: dict[str, Checker] = {
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainingConfig:
+class TrainingConfig(_KeyedConfig):
     """The top-level DeepSpeed training keys that the zeropp engine acts on."""
 
     train_batch_size: int | None = None
@@ -431,10 +459,12 @@ class TrainingConfig:
     wall_clock_breakdown: bool = False
     """Time forward, backward and step separately and log the breakdown."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, input_keys: Mapping[str, str] | None) -> None:
+        super().__post_init__(input_keys)
         _check_fields(self, _TRAINING_CHECKS)
         if self.bf16 and self.fp16:
-            raise ValueError("bf16=True and fp16=True are both set; enable at most one")
+            raise ValueError(f"{self.key_of('bf16')}=True and {self.key_of('fp16')}=True are both set; "
+                             "enable at most one")
 
     def resolve_batch(self, world_size: int) -> tuple[int, int, int]:
         """(train_batch_size, micro batch per rank, accumulation steps) on ``world_size`` ranks:
@@ -443,8 +473,9 @@ class TrainingConfig:
         train = self.train_batch_size
         micro = self.train_micro_batch_size_per_gpu
         accum = self.gradient_accumulation_steps
-        given = (f"train_batch_size={train}, train_micro_batch_size_per_gpu={micro}, "
-                 f"gradient_accumulation_steps={accum}, world_size={world_size}")
+        train_key, micro_key, accum_key = map(self.key_of, (
+            "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"))
+        given = f"{train_key}={train}, {micro_key}={micro}, {accum_key}={accum}, world_size={world_size}"
         if train is not None and micro is not None:
             accum = accum or train // (micro * world_size)
         elif train is not None:
@@ -454,10 +485,10 @@ class TrainingConfig:
             accum = accum or 1
             train = micro * accum * world_size
         else:
-            raise ValueError(f"{given}: set train_batch_size or train_micro_batch_size_per_gpu")
+            raise ValueError(f"{given}: set {train_key} or {micro_key}")
         if micro < 1 or accum < 1 or train != micro * accum * world_size:
-            raise ValueError(f"{given}: train_batch_size must equal train_micro_batch_size_per_gpu"
-                             " * gradient_accumulation_steps * world_size, each at least 1")
+            raise ValueError(f"{given}: {train_key} must equal {micro_key} * {accum_key} * world_size, "
+                             "each at least 1")
         return train, micro, accum
 
 
@@ -494,6 +525,10 @@ _DEEPSPEED_KEYS: dict[str, tuple[str, str]] = {
     **{f"fp16.{name}": ("training", name) for name in (
         "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")},
 }
+_INPUT_KEYS: dict[str, dict[str, str]] = {
+    config: {field_name: key for key, (where, field_name) in _DEEPSPEED_KEYS.items() if where == config}
+    for config in _FIELD_CHECKS}
+"""Per config, each field's DeepSpeed key: what a config read from DeepSpeed calls its fields."""
 _CHECKED_NOT_ACTED_ON: dict[str, Checker] = {
     # FSDP2 sizes, buckets and overlaps communication per sharded unit by itself
     "zero_optimization.reduce_bucket_size": _NON_NEGATIVE,
@@ -599,14 +634,12 @@ def parse_deepspeed(config: dict[str, Any] | str | os.PathLike[str]) -> DeepSpee
     _read_section(draft, raw, "")
     if "stage" not in raw.get("zero_optimization", {}):
         raise ValueError(f"{_STAGE_KEY} is missing; zeropp implements ZeRO-3 only, so set it to 3")
-    if draft.training.get("bf16") and draft.training.get("fp16"):
-        raise ValueError("bf16.enabled=True and fp16.enabled=True; enable at most one")
     if draft.training.get("bf16"):
         draft.zeropp["param_dtype"] = torch.bfloat16
     elif draft.training.get("fp16"):
         draft.zeropp["param_dtype"] = torch.float16
-    parsed = DeepSpeedConfig(zeropp=ZeroPPConfig(**draft.zeropp),
-                             training=TrainingConfig(**draft.training),
+    parsed = DeepSpeedConfig(zeropp=ZeroPPConfig(**draft.zeropp, input_keys=_INPUT_KEYS["zeropp"]),
+                             training=TrainingConfig(**draft.training, input_keys=_INPUT_KEYS["training"]),
                              ignored_keys=tuple(draft.ignored))
     _report_ignored(draft.ignored)
     return parsed

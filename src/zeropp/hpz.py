@@ -45,13 +45,13 @@ GENERATION_COPIES = ("node", "full")
 (parameters x bytes / hpZ size per rank), or every unit whole (parameters x bytes per rank)."""
 
 
-def check_hpz(hpz_partition_size: int, topology: Topology) -> None:
+def check_hpz(hpz_partition_size: int, topology: Topology, key: str = "hpz_partition_size") -> None:
     """hpZ's secondary partition must stay inside a node: its size must divide ranks per node
-    (and so the world size)."""
+    (and so the world size). ``key``: what the user called the size (``ZeroPPConfig.key_of``)."""
     if topology.ranks_per_node % hpz_partition_size != 0:
         divisors = [d for d in range(1, topology.ranks_per_node + 1) if topology.ranks_per_node % d == 0]
         raise ValueError(
-            f"hpz_partition_size={hpz_partition_size} must divide the ranks per node "
+            f"{key}={hpz_partition_size} must divide the ranks per node "
             f"({topology.ranks_per_node}, layout {topology.num_nodes} nodes x "
             f"{topology.ranks_per_node}) so that the secondary partition stays inside a node; "
             f"allowed: {divisors} (1 = off, {topology.ranks_per_node} = the whole node)")

@@ -79,7 +79,7 @@ def shard(
     config = config if config is not None else ZeroPPConfig()
     topology = topology if topology is not None else Topology.from_env()
     _check_layout(topology, agree([*config_view(config, topology), *parameters_view(model)]))
-    check_hpz(config.hpz_partition_size, topology)
+    check_hpz(config.hpz_partition_size, topology, config.key_of("hpz_partition_size"))
     _check_patterns(model, config)
     unit_modules = select_units(model, units)
     scalars = scalar_parameters(model)
@@ -110,7 +110,7 @@ def enable(model: nn.Module, config: ZeroPPConfig | None = None, *, topology: To
     config = config if config is not None else ZeroPPConfig()
     topology = topology if topology is not None else Topology.from_env()
     _check_layout(topology, agree([*config_view(config, topology), *units_view(model)]))
-    check_hpz(config.hpz_partition_size, topology)
+    check_hpz(config.hpz_partition_size, topology, config.key_of("hpz_partition_size"))
     _check_patterns(model, config)
     return _enable(model, config, build_process_groups(topology, device_type_of(model), config.hpz_partition_size))
 
@@ -160,7 +160,7 @@ def _check_patterns(model: nn.Module, config: ZeroPPConfig) -> None:
     for key in ("unquantized_parameters", "grad_full_precision_parameters"):
         for pattern in getattr(config, key):
             if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
-                raise ValueError(f"{key} pattern {pattern!r} matches no parameter of "
+                raise ValueError(f"{config.key_of(key)} pattern {pattern!r} matches no parameter of "
                                  f"{type(model).__name__}; its parameters are named like {names[:3]}")
 
 
@@ -213,14 +213,14 @@ def check_unit(unit: FSDPModule, config: ZeroPPConfig, topology: Topology, name:
         raise ValueError(
             f"qgZ needs every unit sharded over the whole world ({topology.world_size} ranks); {name} is "
             f"sharded over {layout.shard_group_size} (HSDP or a 2-D mesh): shard it with fully_shard(module, "
-            "mesh=<1-D world mesh>) or turn quantized_gradients off")
-    hpz = config.hpz_partition_size
+            f"mesh=<1-D world mesh>) or turn {config.key_of('quantized_gradients')} off")
+    hpz, hpz_key = config.hpz_partition_size, config.key_of("hpz_partition_size")
     if hpz > 1 and layout.padded_numels and layout.post_forward_group_size not in (hpz, layout.shard_group_size):
         raise ValueError(
-            f"hpz_partition_size={hpz}, but {name} was sharded with reshard_after_forward="
+            f"{hpz_key}={hpz}, but {name} was sharded with reshard_after_forward="
             f"{layout.post_forward_group_size} (its weights stay sharded over that many ranks after forward): "
             f"shard it with reshard_after_forward=True (zeropp.enable then sets hpZ's partition) or {hpz}, "
-            f"or set hpz_partition_size={layout.post_forward_group_size}")
+            f"or set {hpz_key}={layout.post_forward_group_size}")
 
 
 @dataclass
