@@ -412,7 +412,7 @@ _TRAINING_CHECKS: dict[str, Checker] = {
     **dict.fromkeys(("train_batch_size", "train_micro_batch_size_per_gpu",
                      "gradient_accumulation_steps"), _optional(_POSITIVE_INT)),
     **dict.fromkeys(("gradient_clipping", "loss_scale"), _NON_NEGATIVE),
-    **dict.fromkeys(("bf16", "fp16", "wall_clock_breakdown"), _BOOL),
+    **dict.fromkeys(("bf16", "fp16", "wall_clock_breakdown", "gather_16bit_weights_on_model_save"), _BOOL),
     "initial_scale_power": _checker("an int from 0 to 127 (2**power is a finite float32)",
                                     lambda v: _is_int(v) and 0 <= v <= 127),
     **dict.fromkeys(("loss_scale_window", "hysteresis", "steps_per_print"), _POSITIVE_INT),
@@ -458,6 +458,10 @@ class TrainingConfig(_KeyedConfig):
     """Log progress every this many optimizer steps."""
     wall_clock_breakdown: bool = False
     """Time forward, backward and step separately and log the breakdown."""
+    gather_16bit_weights_on_model_save: bool = False
+    """Saving the model (``save_16bit_model``, Trainer's ``save_model``) gathers the full weights
+    and writes them as one loadable model; False writes only the sharded checkpoint (DeepSpeed's
+    ``zero_optimization.stage3_gather_16bit_weights_on_model_save``, False by default there too)."""
 
     def __post_init__(self, input_keys: Mapping[str, str] | None) -> None:
         super().__post_init__(input_keys)
@@ -515,6 +519,8 @@ _DEEPSPEED_KEYS: dict[str, tuple[str, str]] = {
         ("zeropp", "quantized_nontrainable_weights"),
     "zero_optimization.zero_hpz_partition_size": ("zeropp", "hpz_partition_size"),
     "zero_optimization.zero_quantized_gradients": ("zeropp", "quantized_gradients"),
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save":
+        ("training", "gather_16bit_weights_on_model_save"),
     **{f"zero_optimization.zeropp.{name}": ("zeropp", name) for name in (
         "block_size", "weight_bits", "weight_code", "unquantized_parameters", "grad_full_precision_parameters",
         "grad_full_precision_below", "grad_bits_intra", "grad_bits_inter",

@@ -61,7 +61,12 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.checkpoint.utils import CheckpointException
 
 from zeropp._fsdp import EmptyStateDictLoadPlanner, set_element
@@ -164,6 +169,8 @@ class Manifest:
     """File name -> {"bytes": size, "sha256": hex digest}."""
     optimizer_initialized: bool
     """Whether the optimizer had state (had stepped) when saved."""
+    has_optimizer: bool = True
+    """Whether it holds optimizer state (False: the model alone)."""
 
 
 def _sha256(file: Path) -> str:
@@ -198,7 +205,7 @@ def read_manifest(path: Path) -> Manifest:
         raise CheckpointError(f"{file}: 'files' must map plain file names to {{'bytes': int, 'sha256': str}}")
     try:
         return Manifest(path, int(raw["world_size"]), dict(raw["engine"]), files,
-                        bool(raw["optimizer_initialized"]))
+                        bool(raw["optimizer_initialized"]), bool(raw.get("has_optimizer", True)))
     except (KeyError, TypeError, ValueError) as error:
         raise CheckpointError(f"{file}: entry {error} is missing or malformed") from error
 
@@ -363,11 +370,12 @@ def _commit(directory: Path, staging: Path, tag: str) -> None:
 
 
 def save(directory: str | os.PathLike[str], tag: str, *, model: nn.Module,
-         optimizer: torch.optim.Optimizer, engine_state: dict[str, Any],
+         optimizer: torch.optim.Optimizer | None, engine_state: dict[str, Any],
          rank_state: dict[str, Any]) -> Path:
-    """Save model and optimizer (DCP, sharded), ``engine_state`` (JSON, rank 0's) and each
-    rank's ``rank_state`` (JSON) as ``directory/tag``, atomically (see [Note: atomic save]).
-    Every rank must call it; the directory must be on a filesystem all ranks share."""
+    """Save model and optimizer (DCP, sharded; the model alone when ``optimizer`` is None),
+    ``engine_state`` (JSON, rank 0's) and each rank's ``rank_state`` (JSON) as ``directory/tag``,
+    atomically (see [Note: atomic save]). Every rank must call it; the directory must be on a
+    filesystem all ranks share."""
     check_tag(tag)
     directory = Path(directory)
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -383,17 +391,15 @@ def save(directory: str | os.PathLike[str], tag: str, *, model: nn.Module,
                               "pass the same tag on every rank")
     _agree("creating the staging directory", staging,
            lambda: _fresh_directory(staging) if rank == 0 else None)
-    optimizer_initialized = bool(optimizer.state)
+    optimizer_initialized = optimizer is not None and bool(optimizer.state)
     try:
-        model_state, optimizer_state = get_state_dict(model, optimizer)
         try:
-            dcp.save({"model": model_state, "optimizer": optimizer_state},
-                     storage_writer=FileSystemWriter(staging))
+            dcp.save(_state(model, optimizer), storage_writer=FileSystemWriter(staging))
         except CheckpointException as error:  # raised on every rank when any rank failed
             failures = _dcp_failures(error)
             raise CheckpointError(f"{staging}: writing the DCP checkpoint failed on {failures}") from error
         finally:
-            if not optimizer_initialized:
+            if optimizer is not None and not optimizer_initialized:
                 optimizer.state.clear()  # see [Note: optimizer state before the first step]
         _agree("writing per-rank state", staging,
                lambda: _write_json(staging / f"rank{rank}.json", rank_state))
@@ -402,6 +408,7 @@ def save(directory: str | os.PathLike[str], tag: str, *, model: nn.Module,
                  for name, entry in json.loads(share).items()}
         manifest = {"format": FORMAT, "version": FORMAT_VERSION, "world_size": world_size,
                     "torch_version": torch.__version__, "optimizer_initialized": optimizer_initialized,
+                    "has_optimizer": optimizer is not None,
                     "engine": engine_state, "files": files}
         _agree("writing the manifest", staging,
                lambda: _write_json(staging / MANIFEST, manifest) if rank == 0 else None)
@@ -425,27 +432,41 @@ class Loaded:
     saved_world_size: int
 
 
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """What DCP saves or loads: the model's sharded state, and the optimizer's where given."""
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
 def load(directory: str | os.PathLike[str], tag: str | None, *, model: nn.Module,
-         optimizer: torch.optim.Optimizer) -> Loaded | None:
+         optimizer: torch.optim.Optimizer | None) -> Loaded | None:
     """Verify, then load ``directory/<tag or latest>`` into ``model`` and ``optimizer`` (any
-    world size, any ZeRO++ setting). Returns None when no tag is given and ``latest`` is
-    missing. Every rank must call it; all raise the same CheckpointError on a bad checkpoint."""
+    world size, any ZeRO++ setting; the model alone when ``optimizer`` is None). Returns None
+    when no tag is given and ``latest`` is missing. Every rank must call it; all raise the same
+    CheckpointError on a bad checkpoint."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     path = _agree("finding the checkpoint", Path(directory), lambda: resolve(directory, tag))
     if path is None:
         return None
     manifest = _agree("verifying", path, lambda: verify(path, share=(rank, world_size)))
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
+    if optimizer is not None and not manifest.has_optimizer:
+        raise CheckpointError(f"{path} holds the model alone (saved without an optimizer); load it "
+                              "with optimizer=None, or resume from a checkpoint saved with the optimizer")
+    state = _state(model, optimizer)
     try:
         dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
     except CheckpointException as error:
         failures = _dcp_failures(error)
         raise CheckpointError(f"{path}: DCP failed to load it into this model and optimizer (a "
                               f"different model or optimizer type, or a forged entry): {failures}") from error
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    if not manifest.optimizer_initialized:
-        optimizer.state.clear()  # see [Note: optimizer state before the first step]
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        if not manifest.optimizer_initialized:
+            optimizer.state.clear()  # see [Note: optimizer state before the first step]
     rank_file = path / f"rank{rank}.json"
     rank_state = None
     if rank_file.name in manifest.files:

@@ -28,6 +28,7 @@ from torch import nn
 from zeropp._fsdp import mark_prepared_for_accelerate
 from zeropp.config import ZeroPPConfig
 from zeropp.engine.lr_schedules import build_scheduler
+from zeropp.integrations import hf_checkpoint
 from zeropp.integrations.hf_deepspeed import (
     DeepSpeedSource,
     TrainerDeepSpeedConfig,
@@ -169,3 +170,68 @@ class ZeroPPTrainer(Trainer):
         self.lr_scheduler = build_scheduler(config, self.optimizer if optimizer is None else optimizer)
         self._created_lr_scheduler = True  # Trainer's own flag: a later train() builds the schedule again
         return self.lr_scheduler
+
+    # Saving and resuming: every rank takes part (see [Note: Trainer's saves on a sharded model]).
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Write the model so that ``from_pretrained`` loads it without zeropp: every rank gathers
+        the full-precision weights and rank 0 streams them into safetensors, beside the config,
+        the tokenizer and the training arguments. With ``stage3_gather_16bit_weights_on_model_save:
+        false`` in the DeepSpeed config: the sharded checkpoint alone (``zeropp checkpoint
+        consolidate`` turns it into one file), as DeepSpeed writes."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self._zeropp_settings.save_full_weights:
+            hf_checkpoint.save_pretrained_full(self.model, output_dir)
+        elif not _internal_call or self.args.save_only_model:  # a checkpoint saves it with the optimizer next
+            hf_checkpoint.save_sharded(self.model, self.optimizer, output_dir, self.state.global_step)
+        if self.args.should_save:
+            self._save_beside_model(output_dir)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_beside_model(self, output_dir: str) -> None:
+        """Rank 0: what Trainer writes beside the weights (the config where the weights did not
+        bring it, the tokenizer, the training arguments)."""
+        os.makedirs(output_dir, exist_ok=True)
+        if not self._zeropp_settings.save_full_weights:
+            hf_checkpoint.save_config(hf_checkpoint.unwrapped(self.model), output_dir)
+        tokenizer = self.processing_class or getattr(self.data_collator, "tokenizer", None)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Every rank: model and optimizer state as a sharded zeropp checkpoint in the Trainer
+        checkpoint; rank 0: the schedule's state, as Trainer saves it."""
+        hf_checkpoint.save_sharded(self.model, self.optimizer, output_dir, self.state.global_step)
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        """Every rank: the checkpoint's model state into the sharded model."""
+        hf_checkpoint.load_weights(self.model if model is None else model, resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Every rank: model and optimizer state from the checkpoint's zeropp checkpoint, and the
+        schedule's state."""
+        if checkpoint is None:
+            return
+        hf_checkpoint.load_weights(self.model, checkpoint, self.optimizer)
+        scheduler_file = os.path.join(checkpoint, "scheduler.pt")
+        if self.lr_scheduler is not None and os.path.isfile(scheduler_file):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        """Every rank: the best checkpoint's model state into the sharded model."""
+        hf_checkpoint.load_weights(self.model, self.state.best_model_checkpoint)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """Trainer's ``train``; ``resume_from_checkpoint=True`` resumes from the newest complete
+        checkpoint in ``output_dir`` (a newer one a killed job left half-written is passed over)."""
+        if resume_from_checkpoint is True:
+            found = hf_checkpoint.last_complete_checkpoint(self.args.output_dir)
+            if found is None:
+                raise ValueError(f"resume_from_checkpoint=True, but {self.args.output_dir} holds no complete "
+                                 "checkpoint-N directory to resume from")
+            resume_from_checkpoint = str(found)
+        return super().train(resume_from_checkpoint, *args, **kwargs)

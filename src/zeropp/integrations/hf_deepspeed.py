@@ -73,6 +73,10 @@ class TrainerDeepSpeedConfig:
     """The optimizer Trainer builds, or None for Trainer's own (``optim``)."""
     scheduler: dict[str, Any] | None
     """The ``scheduler`` section (``"auto"`` step counts still open), or None for Trainer's own."""
+    save_full_weights: bool = True
+    """``save_model`` gathers the full weights into a ``from_pretrained`` directory; False writes
+    the sharded checkpoint alone (``stage3_gather_16bit_weights_on_model_save``: False, as under
+    DeepSpeed, where the key's default is False too; without a DeepSpeed config, True)."""
 
     def scheduler_config(self, num_training_steps: int, warmup_steps: int) -> SchedulerConfig:
         """The scheduler section with its step counts: ``total_num_steps`` Trainer's number of
@@ -106,7 +110,8 @@ def complete_from_training_arguments(source: DeepSpeedSource, args: Any) -> Trai
         if _get(config, key) == "auto":
             _set(config, key, 1)
     parsed = parse_deepspeed(config)
-    return TrainerDeepSpeedConfig(zeropp=parsed.zeropp, optimizer=parsed.training.optimizer, scheduler=scheduler)
+    return TrainerDeepSpeedConfig(zeropp=parsed.zeropp, optimizer=parsed.training.optimizer, scheduler=scheduler,
+                                  save_full_weights=parsed.training.gather_16bit_weights_on_model_save)
 
 
 def take_from_training_arguments(args: Any) -> DeepSpeedSource | None:

@@ -1,0 +1,136 @@
+"""A Hugging Face Trainer job from start to finish on zeropp, at Trainer's default save settings:
+Hugging Face's usual ZeRO-3 file (every Trainer-owned value "auto",
+``stage3_gather_16bit_weights_on_model_save: true``) plus the three ZeRO++ keys, a tiny GPT-2,
+4 gloo ranks as 2 nodes x 2. Checkpoints at ``save_strategy="steps"`` (the default), a second job
+resuming from one, ``save_model`` loaded by ``from_pretrained`` without zeropp, a killed save."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from distributed import run_distributed
+
+pytest.importorskip("transformers")
+
+TWO_BY_TWO = {"ZEROPP_RANKS_PER_NODE": "2"}
+VOCAB, LENGTH, STEPS, SAVE_STEPS = 64, 16, 6, 3
+
+
+def ds_config(zeropp: bool, gather: bool = True) -> dict:
+    """Hugging Face's stock ZeRO-3 file (tests/deepspeed/ds_config_zero3.json's keys, offload
+    left out) with the three ZeRO++ keys added."""
+    zero = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
+            "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
+            "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": gather}
+    if zeropp:
+        zero.update({"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True})
+    return {"fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+                     "hysteresis": 2, "min_loss_scale": 1},
+            "bf16": {"enabled": "auto"},
+            "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                      "weight_decay": "auto"}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                         "warmup_num_steps": "auto"}},
+            "zero_optimization": zero, "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+            "steps_per_print": 2000, "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+            "wall_clock_breakdown": False}
+
+
+class Rows(torch.utils.data.Dataset):
+    """Learnable token rows: arithmetic progressions mod VOCAB (labels = inputs; HF shifts)."""
+
+    def __init__(self, count: int = 64, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        start = torch.randint(0, VOCAB, (count, 1), generator=g)
+        stride = torch.randint(1, 4, (count, 1), generator=g)
+        self.rows = (start + stride * torch.arange(LENGTH)) % VOCAB
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def tiny_gpt2() -> torch.nn.Module:
+    """GPT-2 at transformers' defaults (dropout 0.1, tied head) but tiny."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=32, n_layer=2, n_head=4))
+
+
+def _arguments(output_dir: str, config_file: str, **overrides):
+    from transformers import TrainingArguments
+
+    # save_strategy is Trainer's default ("steps"); only its interval is shortened to fit the run
+    return TrainingArguments(output_dir=output_dir, deepspeed=config_file, per_device_train_batch_size=2,
+                             max_steps=STEPS, save_steps=SAVE_STEPS, learning_rate=3e-3, warmup_steps=2,
+                             logging_steps=1, report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
+                             **overrides)
+
+
+def _losses(trainer) -> dict[int, float]:
+    return {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry}
+
+
+def _resume_worker(rank: int, world_size: int, out_dir: str, modes: list[str]) -> dict:
+    from zeropp.hf import ZeroPPTrainer
+
+    results = {}
+    for mode in modes:
+        config_file = f"{out_dir}/ds_{mode}.json"
+        if rank == 0:
+            with open(config_file, "w") as stream:
+                json.dump(ds_config(zeropp=mode == "all"), stream)
+        torch.distributed.barrier()
+        whole = ZeroPPTrainer(tiny_gpt2(), args=_arguments(f"{out_dir}/{mode}/whole", config_file),
+                              train_dataset=Rows())
+        whole.train()
+        whole.save_model()
+        logits = None
+        if mode == "zero3":
+            whole.model.eval()  # as from_pretrained returns it: no dropout
+            with torch.no_grad():
+                logits = whole.model(Rows(4, seed=1).rows).logits.clone()
+        resumed = ZeroPPTrainer(tiny_gpt2(), args=_arguments(f"{out_dir}/{mode}/resumed", config_file),
+                                train_dataset=Rows())
+        resumed.train(resume_from_checkpoint=f"{out_dir}/{mode}/whole/checkpoint-{SAVE_STEPS}")
+        full = {n: p.detach().full_tensor() for n, p in whole.model.named_parameters()}
+        results[mode] = {"whole": _losses(whole), "resumed": _losses(resumed), "logits": logits,
+                         "params": full if rank == 0 else None,
+                         "checkpoints": sorted(os.listdir(f"{out_dir}/{mode}/whole"))}
+    return results
+
+
+@pytest.mark.slow
+def test_trainer_checkpoints_at_its_default_strategy_and_a_second_job_resumes_with_equal_losses(tmp_path) -> None:
+    """Training is deterministic on CPU, so a job resumed from checkpoint-3 (model, optimizer,
+    schedule, RNG, trainer state) must log exactly the losses of steps 4-6 of the job that was
+    never interrupted, under plain ZeRO-3 and under all three techniques. The model
+    ``save_model`` wrote loads with ``from_pretrained`` in this process, without zeropp: its
+    weights are the sharded model's exactly, and (ZeRO-3, whose forward uses the exact weights)
+    so are its logits."""
+    from transformers import AutoModelForCausalLM
+
+    results = run_distributed(_resume_worker, 4, str(tmp_path), ["zero3", "all"], env=TWO_BY_TWO,
+                              timeout=600)[0]
+    for mode, result in results.items():
+        whole, resumed = result["whole"], result["resumed"]
+        assert sorted(whole) == list(range(1, STEPS + 1)), whole
+        assert sorted(resumed) == list(range(1, STEPS + 1)), resumed  # 1-3 from the checkpoint's trainer state
+        for step in resumed:
+            assert resumed[step] == whole[step], (mode, step, whole, resumed)
+        assert {"checkpoint-3", "checkpoint-6", "model.safetensors", "config.json"} <= set(result["checkpoints"])
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / mode / "whole")
+        state = loaded.state_dict()
+        for name, value in result["params"].items():
+            assert torch.equal(state[name], value), name
+        if mode == "zero3":
+            with torch.no_grad():
+                assert torch.equal(loaded(Rows(4, seed=1).rows).logits, result["logits"])
