@@ -7,6 +7,7 @@ resuming from one, ``save_model`` loaded by ``from_pretrained`` without zeropp, 
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -69,14 +70,20 @@ def _arguments(output_dir: str, config_file: str, **overrides):
     from transformers import TrainingArguments
 
     # save_strategy is Trainer's default ("steps"); only its interval is shortened to fit the run
-    return TrainingArguments(output_dir=output_dir, deepspeed=config_file, per_device_train_batch_size=2,
-                             max_steps=STEPS, save_steps=SAVE_STEPS, learning_rate=3e-3, warmup_steps=2,
-                             logging_steps=1, report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
-                             **overrides)
+    settings = dict(output_dir=output_dir, deepspeed=config_file, per_device_train_batch_size=2,
+                    max_steps=STEPS, save_steps=SAVE_STEPS, learning_rate=3e-3, warmup_steps=2,
+                    logging_steps=1, report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
+    return TrainingArguments(**{**settings, **overrides})
 
 
 def _losses(trainer) -> dict[int, float]:
     return {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry}
+
+
+def _as_arrays(tensors: dict[str, torch.Tensor]) -> dict:
+    """Tensors as numpy arrays, which cross the process boundary as plain bytes (torch's own
+    sharing hands over file descriptors that vanish when the rank's process exits)."""
+    return {name: tensor.numpy() for name, tensor in tensors.items()}
 
 
 def _resume_worker(rank: int, world_size: int, out_dir: str, modes: list[str]) -> dict:
@@ -97,11 +104,11 @@ def _resume_worker(rank: int, world_size: int, out_dir: str, modes: list[str]) -
         if mode == "zero3":
             whole.model.eval()  # as from_pretrained returns it: no dropout
             with torch.no_grad():
-                logits = whole.model(Rows(4, seed=1).rows).logits.clone()
+                logits = whole.model(Rows(4, seed=1).rows).logits.numpy()
         resumed = ZeroPPTrainer(tiny_gpt2(), args=_arguments(f"{out_dir}/{mode}/resumed", config_file),
                                 train_dataset=Rows())
         resumed.train(resume_from_checkpoint=f"{out_dir}/{mode}/whole/checkpoint-{SAVE_STEPS}")
-        full = {n: p.detach().full_tensor() for n, p in whole.model.named_parameters()}
+        full = _as_arrays({n: p.detach().full_tensor() for n, p in whole.model.named_parameters()})
         results[mode] = {"whole": _losses(whole), "resumed": _losses(resumed), "logits": logits,
                          "params": full if rank == 0 else None,
                          "checkpoints": sorted(os.listdir(f"{out_dir}/{mode}/whole"))}
@@ -130,7 +137,76 @@ def test_trainer_checkpoints_at_its_default_strategy_and_a_second_job_resumes_wi
         loaded = AutoModelForCausalLM.from_pretrained(tmp_path / mode / "whole")
         state = loaded.state_dict()
         for name, value in result["params"].items():
-            assert torch.equal(state[name], value), name
+            assert torch.equal(state[name], torch.from_numpy(value)), name
         if mode == "zero3":
             with torch.no_grad():
-                assert torch.equal(loaded(Rows(4, seed=1).rows).logits, result["logits"])
+                assert torch.equal(loaded(Rows(4, seed=1).rows).logits, torch.from_numpy(result["logits"]))
+
+
+def _lifecycle_worker(rank: int, world_size: int, out_dir: str) -> dict:
+    from transformers import TrainerCallback
+
+    from zeropp.hf import ZeroPPTrainer
+
+    config_file = f"{out_dir}/ds_all.json"
+    if rank == 0:
+        with open(config_file, "w") as stream:
+            json.dump(ds_config(zeropp=True), stream)
+    torch.distributed.barrier()
+
+    class Evaluations(TrainerCallback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            self.losses.append(metrics["eval_loss"])
+
+    evaluations = Evaluations()
+    run_dir = f"{out_dir}/run"
+    # "best" is the higher evaluation loss, so that the best checkpoint (3) is not the last (6)
+    args = dict(eval_strategy="steps", eval_steps=SAVE_STEPS, load_best_model_at_end=True, save_total_limit=1,
+                metric_for_best_model="eval_loss", greater_is_better=True)
+    first = ZeroPPTrainer(tiny_gpt2(), args=_arguments(run_dir, config_file, **args), train_dataset=Rows(),
+                          eval_dataset=Rows(16, seed=1), callbacks=[evaluations])
+    first.train()
+    best = first.state.best_model_checkpoint
+    kept = sorted(name for name in os.listdir(run_dir) if name.startswith("checkpoint-"))
+    best_params = _as_arrays({n: p.detach().full_tensor() for n, p in first.model.named_parameters()})
+    if rank == 0:  # what a job killed while writing checkpoint-9 leaves: no trainer state, no `latest`
+        killed = f"{run_dir}/checkpoint-9"
+        os.makedirs(f"{killed}/.tmp-zeropp")
+        with open(f"{killed}/model.safetensors.partial", "wb") as stream:
+            stream.write(b"\0" * 100)
+    torch.distributed.barrier()
+    second = ZeroPPTrainer(tiny_gpt2(), args=_arguments(run_dir, config_file, max_steps=STEPS + 3),
+                           train_dataset=Rows())
+    second.train(resume_from_checkpoint=True)
+    return {"best": best, "kept": kept, "evaluations": evaluations.losses,
+            "best_params": best_params if rank == 0 else None,
+            "second": _losses(second), "first": _losses(first), "global_step": second.state.global_step}
+
+
+@pytest.mark.slow
+def test_evaluation_best_model_checkpoint_rotation_and_resuming_after_a_killed_save(tmp_path) -> None:
+    """All three techniques (hpZ on) with evaluation every 3 steps, ``load_best_model_at_end`` and
+    ``save_total_limit=1``: the evaluations run, only the best checkpoint is kept, and the model
+    at the end holds its weights (loaded back from checkpoint-3 after training reached step 6).
+    Then a job killed while writing checkpoint-9 is resumed with ``resume_from_checkpoint=True``:
+    the half-written checkpoint is passed over, training continues from checkpoint-3 with the
+    first job's losses and reaches step 9."""
+    from safetensors.torch import load_file
+
+    result = run_distributed(_lifecycle_worker, 4, str(tmp_path), env=TWO_BY_TWO, timeout=600)[0]
+    assert len(result["evaluations"]) == STEPS // SAVE_STEPS and all(map(math.isfinite, result["evaluations"]))
+    best = result["best"]
+    assert result["evaluations"][0] > result["evaluations"][1]
+    assert os.path.basename(best) == f"checkpoint-{SAVE_STEPS}"
+    assert result["kept"] == [f"checkpoint-{SAVE_STEPS}"]  # Trainer drops the newest at the end: limit 1, not best
+    saved = load_file(os.path.join(best, "model.safetensors"))
+    for name, value in result["best_params"].items():
+        if name in saved:  # the tied head is saved once, under the embedding's name
+            assert torch.equal(saved[name], torch.from_numpy(value)), name
+    assert result["global_step"] == STEPS + 3
+    assert sorted(result["second"]) == list(range(1, STEPS + 4))
+    for step in range(1, STEPS + 1):  # 1-3 from checkpoint-3's trainer state, 4-6 trained again: the same
+        assert result["second"][step] == result["first"][step]
