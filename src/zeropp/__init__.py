@@ -22,6 +22,7 @@ _PUBLIC = {
     "generation_mode": "zeropp.hpz",
     "initialize": "zeropp.engine",
     "optimizer_in_backward": "zeropp.stepping",
+    "save_full_weights": "zeropp.checkpoint.full",
     "shard": "zeropp.sharding",
     "sharded_comms": "zeropp.sharding",
 }
