@@ -20,7 +20,9 @@ any collective of this process waits for a peer before raising (default: the bac
 for gloo, 10 min for NCCL), so a dead or hung rank surfaces as an error.
 
 Beside it in this package: fp16 loss scaling (``loss_scaler``), DeepSpeed's learning-rate schedules
-(``lr_schedules``) and the random-number state a checkpoint resumes (``rng``).
+(``lr_schedules``), the random-number state a checkpoint resumes (``rng``), and the rest of
+DeepSpeedEngine's interface: its accessors, and for each name zeropp lacks, what to use instead
+(``deepspeed_api``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import datetime
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +46,7 @@ from zeropp import checkpoint
 from zeropp._fsdp import set_process_group_timeouts
 from zeropp.comms import collective_timeout_s, global_grad_norm_and_overflow
 from zeropp.config import DeepSpeedConfig, parse_deepspeed
+from zeropp.engine.deepspeed_api import DeepSpeedInterface
 from zeropp.engine.loss_scaler import LossScaler
 from zeropp.engine.lr_schedules import build_scheduler
 from zeropp.engine.rng import rng_state, set_rng_state
@@ -65,7 +69,7 @@ def _owned_grads(params: list[torch.Tensor], grads: list[torch.Tensor]) -> list[
     return [g for p, g in zip(params, grads) if isinstance(p, DTensor) or rank == 0]
 
 
-class ZeroPPEngine:
+class ZeroPPEngine(DeepSpeedInterface):
     """Forward, backward with accumulation and loss scaling, optimizer step with clipping,
     schedule, logging and checkpoints: DeepSpeed's engine interface on a zeropp-sharded model."""
 
@@ -77,11 +81,21 @@ class ZeroPPEngine:
         self._train_batch, self._micro_batch, self._accumulation = training.resolve_batch(topology.world_size)
         self.loss_scaler = LossScaler.from_config(training) if training.fp16 else None
         self.global_steps = 0
+        self.global_samples = 0
+        """Samples trained on, over all ranks: the global batch size summed over optimizer steps."""
         self.micro_steps = 0
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
-        """The global gradient norm (unscaled, before clipping) of the last boundary, if computed."""
+        """The global gradient norm (unscaled, before clipping) of the last boundary."""
         self._step_applied = False
+        self._boundary_override: bool | None = None
+        """``set_gradient_accumulation_boundary``'s word, which wins over counting micro-steps."""
+        self._inside_no_sync = False
+        self._backwards_since_step = 0
+        self._last_backward_reduced = True
+        module.set_requires_gradient_sync(True)
+        self._gradient_sync = True
+        """What the module's units were last told by ``set_requires_gradient_sync``."""
         self._device = next(module.parameters()).device
         self._loss_sum = torch.zeros((), dtype=torch.float32, device=self._device)
         self._timings = {"forward": 0.0, "backward": 0.0, "step": 0.0}
@@ -98,29 +112,66 @@ class ZeroPPEngine:
     forward = __call__
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether the current micro-step ends an accumulation window (``step`` will update)."""
+        """Whether the current micro-step ends an accumulation window (``step`` will update):
+        every ``gradient_accumulation_steps``-th one, unless ``set_gradient_accumulation_boundary``
+        said otherwise."""
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self._accumulation == 0
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate ``loss / gradient_accumulation_steps`` (times the loss scale in fp16);
-        gradients are reduced across ranks only in the boundary's backward."""
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Say from outside whether the coming backward and ``step`` end the window, instead of
+        counting micro-steps (accelerate says it before every backward and calls ``step`` at the
+        boundary only). It holds until said again, as in DeepSpeed."""
+        self._boundary_override = is_boundary
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside keep their gradients on this rank, unreduced (FSDP2 can, so
+        zeropp allows what DeepSpeed refuses under ZeRO-3); the next backward outside reduces
+        the sum once. ``step`` may not be called inside."""
+        if self._inside_no_sync:
+            raise RuntimeError("engine.no_sync() entered again inside itself; it does not nest")
+        self._inside_no_sync = True
+        try:
+            yield
+        finally:
+            self._inside_no_sync = False
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
+        """Backpropagate ``loss / gradient_accumulation_steps`` (undivided with ``scale_wrt_gas``
+        False; times the loss scale in fp16); gradients are reduced across ranks only in the
+        boundary's backward, and never inside ``no_sync``."""
         started = time.perf_counter()
-        if self._accumulation > 1:
-            self.module.set_requires_gradient_sync(self.is_gradient_accumulation_boundary())
-        scaled = loss / self._accumulation
+        reduce = self.is_gradient_accumulation_boundary() and not self._inside_no_sync
+        if reduce != self._gradient_sync:
+            self.module.set_requires_gradient_sync(reduce)
+            self._gradient_sync = reduce
+        scaled = loss / self._accumulation if scale_wrt_gas else loss
         if self.loss_scaler is not None:
             scaled = scaled.float() * self.loss_scaler.scale
-        scaled.backward()
+        scaled.backward(retain_graph=retain_graph)
         self._loss_sum += loss.detach().float() / self._accumulation
+        self._backwards_since_step += 1
+        self._last_backward_reduced = reduce
         self._timings["backward"] += time.perf_counter() - started
 
     def step(self) -> None:
         """Call after every ``backward``: at a boundary, update the parameters (unless fp16
         overflowed), step the schedule and log; otherwise only count the micro-step."""
+        if self._inside_no_sync:
+            raise RuntimeError("engine.step() inside engine.no_sync(): leave the context and run the "
+                               "window's last backward outside it, so that the gradients are reduced")
         if self.is_gradient_accumulation_boundary():
+            if not self._last_backward_reduced:
+                raise RuntimeError("engine.step() at an accumulation boundary, but the last backward did "
+                                   "not reduce the gradients (it ran before the boundary or inside "
+                                   "no_sync): run the window's last backward at the boundary")
             started = time.perf_counter()
             self._take_step()
             self.global_steps += 1
+            self.global_samples += self._train_batch
+            self._backwards_since_step = 0
             self._ledger.step()
             self._timings["step"] += time.perf_counter() - started
             if self.global_steps % self.config.training.steps_per_print == 0:
@@ -129,13 +180,10 @@ class ZeroPPEngine:
         self.micro_steps += 1
 
     def _take_step(self) -> None:
-        training = self.config.training
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
-        overflow, self.last_grad_norm = False, None
-        if self.loss_scaler is not None or training.gradient_clipping > 0:
-            norm, overflow = global_grad_norm_and_overflow(_owned_grads(params, grads), self.topology, self._device)
-            self.last_grad_norm = norm / (self.loss_scaler.scale if self.loss_scaler else 1.0)
+        norm, overflow = global_grad_norm_and_overflow(_owned_grads(params, grads), self.topology, self._device)
+        self.last_grad_norm = norm / (self.loss_scaler.scale if self.loss_scaler else 1.0)
         self._step_applied = not (overflow and self.loss_scaler is not None)
         if not self._step_applied:
             self.skipped_steps += 1
@@ -177,36 +225,29 @@ class ZeroPPEngine:
             logger.info("zeropp: time (s, since start) %s",
                         " ".join(f"{name}={seconds:.3f}" for name, seconds in self._timings.items()))
 
-    # -- DeepSpeed's accessors ----------------------------------------------------------------
+    # -- the model's state between steps --------------------------------------------------------
 
     def zero_grad(self) -> None:
+        """Drop every gradient (``step`` does so itself at each boundary)."""
         self.optimizer.zero_grad(set_to_none=True)
 
     def train(self, mode: bool = True) -> ZeroPPEngine:
+        """Put the model in training (or, with False, evaluation) mode."""
         self.module.train(mode)
         return self
 
     def eval(self) -> ZeroPPEngine:
+        """Put the model in evaluation mode."""
         return self.train(False)
 
     def was_step_applied(self) -> bool:
         """Whether the last boundary updated the parameters (False after an fp16 overflow)."""
         return self._step_applied
 
-    def gradient_accumulation_steps(self) -> int:
-        return self._accumulation
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self._micro_batch
-
-    def train_batch_size(self) -> int:
-        return self._train_batch
-
-    def get_lr(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.param_groups]
-
     @property
     def loss_scale(self) -> float:
+        """The fp16 loss scale now (1 without fp16). DeepSpeed's ``loss_scale()`` is a method
+        returning the configured static scale; here it is the scale in use."""
         return self.loss_scaler.scale if self.loss_scaler else 1.0
 
     def comm_report(self) -> str:
@@ -224,11 +265,13 @@ class ZeroPPEngine:
         ``save_dir/<tag>`` (default ``global_step<N>``), then point ``save_dir/latest`` at it.
         ``client_state`` (JSON-serialisable, e.g. the data position) comes back from
         ``load_checkpoint``. Call it on every rank, at an accumulation boundary."""
-        if self.micro_steps % self._accumulation != 0:
-            raise RuntimeError(f"save_checkpoint at micro-step {self.micro_steps}, inside an accumulation "
-                               f"window of {self._accumulation}: save after the boundary's step()")
+        if self._backwards_since_step:
+            raise RuntimeError(f"save_checkpoint after {self._backwards_since_step} backward pass(es) since the "
+                               f"last optimizer step, inside an accumulation window of {self._accumulation}: "
+                               "save after the boundary's step()")
         engine_state = {
-            "global_steps": self.global_steps, "micro_steps": self.micro_steps,
+            "global_steps": self.global_steps, "global_samples": self.global_samples,
+            "micro_steps": self.micro_steps,
             "skipped_steps": self.skipped_steps,
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None,
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
@@ -248,6 +291,8 @@ class ZeroPPEngine:
             return None, None
         state = loaded.engine_state
         self.global_steps, self.micro_steps = state["global_steps"], state["micro_steps"]
+        self.global_samples = state.get("global_samples", self.global_steps * self._train_batch)
+        self._backwards_since_step = 0
         self.skipped_steps = state["skipped_steps"]
         if self.loss_scaler is not None and state["loss_scaler"] is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
