@@ -22,9 +22,11 @@ VOCAB, LENGTH, STEPS, SAVE_STEPS = 64, 16, 6, 3
 
 
 def ds_config(zeropp: bool, gather: bool = True) -> dict:
-    """Hugging Face's stock ZeRO-3 file (tests/deepspeed/ds_config_zero3.json's keys, offload
-    left out) with the three ZeRO++ keys added."""
-    zero = {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
+    """Hugging Face's stock ZeRO-3 file (tests/deepspeed/ds_config_zero3.json: parameters and
+    optimizer offloaded to the CPU) with the three ZeRO++ keys added."""
+    zero = {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "offload_param": {"device": "cpu", "pin_memory": True},
+            "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 1e9,
             "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
             "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
             "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": gather}
@@ -88,6 +90,7 @@ def _as_arrays(tensors: dict[str, torch.Tensor]) -> dict:
 
 
 def _resume_worker(rank: int, world_size: int, out_dir: str, modes: list[str]) -> dict:
+    from zeropp._fsdp import fsdp_units, offloads_to_cpu, unit_parameters
     from zeropp.hf import ZeroPPTrainer
 
     results = {}
@@ -110,7 +113,9 @@ def _resume_worker(rank: int, world_size: int, out_dir: str, modes: list[str]) -
                                 train_dataset=Rows())
         resumed.train(resume_from_checkpoint=f"{out_dir}/{mode}/whole/checkpoint-{SAVE_STEPS}")
         full = _as_arrays({n: p.detach().full_tensor() for n, p in whole.model.named_parameters()})
+        units = [u for u in fsdp_units(resumed.model) if unit_parameters(u)]
         results[mode] = {"whole": _losses(whole), "resumed": _losses(resumed), "logits": logits,
+                         "offloaded": bool(units) and all(map(offloads_to_cpu, units)),
                          "params": full if rank == 0 else None,
                          "checkpoints": sorted(os.listdir(f"{out_dir}/{mode}/whole"))}
     return results
@@ -118,9 +123,10 @@ def _resume_worker(rank: int, world_size: int, out_dir: str, modes: list[str]) -
 
 @pytest.mark.slow
 def test_trainer_checkpoints_at_its_default_strategy_and_a_second_job_resumes_with_equal_losses(tmp_path) -> None:
-    """Training is deterministic on CPU, so a job resumed from checkpoint-3 (model, optimizer,
-    schedule, RNG, trainer state) must log exactly the losses of steps 4-6 of the job that was
-    never interrupted, under plain ZeRO-3 and under all three techniques. The model
+    """Training is deterministic on CPU, so a job resumed from checkpoint-3 (model and optimizer,
+    both offloaded as the stock file asks, schedule, RNG, trainer state) must log exactly the
+    losses of steps 4-6 of the job that was never interrupted, under plain ZeRO-3 and under all
+    three techniques. The model
     ``save_model`` wrote loads with ``from_pretrained`` in this process, without zeropp: its
     weights are the sharded model's exactly, and (ZeRO-3, whose forward uses the exact weights)
     so are its logits."""
@@ -130,6 +136,7 @@ def test_trainer_checkpoints_at_its_default_strategy_and_a_second_job_resumes_wi
                               timeout=600)[0]
     for mode, result in results.items():
         whole, resumed = result["whole"], result["resumed"]
+        assert result["offloaded"]  # the stock file's offload sections: FSDP2's CPU offload on every unit
         assert sorted(whole) == list(range(1, STEPS + 1)), whole
         assert sorted(resumed) == list(range(1, STEPS + 1)), resumed  # 1-3 from the checkpoint's trainer state
         for step in resumed:

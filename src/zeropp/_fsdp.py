@@ -205,6 +205,12 @@ def _param_group(unit: FSDPModule) -> Any:
     return unit._get_fsdp_state()._fsdp_param_group
 
 
+def offloads_to_cpu(unit: FSDPModule) -> bool:
+    """Whether the unit keeps its shards on the host (``fully_shard(offload_policy=CPUOffloadPolicy())``)."""
+    param_group = _param_group(unit)
+    return param_group is not None and any(p.offload_to_cpu for p in param_group.fsdp_params)
+
+
 def _fsdp_params(units: Iterable[FSDPModule]) -> Iterator[Any]:
     for unit in units:
         param_group = _param_group(unit)

@@ -84,6 +84,8 @@ _BLOCK_SIZE = _checker("a power of two from 8 to 65536", lambda v: _is_int(v) an
 _PATTERNS = _checker("a list of parameter-name patterns (strings, fnmatch style)",
                      lambda v: isinstance(v, (list, tuple)) and all(isinstance(p, str) and p for p in v), tuple)
 _WEIGHT_CODE = _checker(" or ".join(map(repr, WEIGHT_CODES)), lambda v: v in WEIGHT_CODES)
+OFFLOAD_DEVICES = ("none", "cpu")
+_OFFLOAD = _checker(" or ".join(map(repr, OFFLOAD_DEVICES)), lambda v: v in OFFLOAD_DEVICES)
 _SECTION = _checker("a JSON object {...}", lambda v: isinstance(v, dict))
 _DTYPE = _checker(
     "None (keep the model's dtype), torch.float32, torch.bfloat16 or torch.float16",
@@ -143,8 +145,9 @@ def _check_type_name(key: str, value: Any, names: Mapping[str, Any], any_case: b
 _ZEROPP_CHECKS: dict[str, Checker] = {
     **dict.fromkeys(("quantized_weights", "quantized_nontrainable_weights", "quantized_gradients",
                      "quantize_intra_node_weights", "error_feedback", "low_bit_trainable_weights", "overlap",
-                     "hierarchical_gather"),
+                     "hierarchical_gather", "offload_pin_memory"),
                     _BOOL),
+    "offload": _OFFLOAD,
     "hpz_partition_size": _POSITIVE_INT,
     "block_size": _BLOCK_SIZE,
     "grad_block_size": _optional(_BLOCK_SIZE),
@@ -241,6 +244,15 @@ class ZeroPPConfig(_KeyedConfig):
     then inside the node: a node link carries (N - 1)/N of the payload instead of a ring's
     (W - 1)/W (1/2 instead of 15/16 on 2 nodes of 8). Same values; one more collective per
     gather (inside the node)."""
+    offload: str = "none"
+    """Where the sharded training state lives: "none" (the device) or "cpu": FSDP2's
+    ``CPUOffloadPolicy``, parameter and gradient shards and the optimizer's state and step on the
+    host, each unit's shard copied to the device just before its gathers (qwZ codes the copy, hpZ's
+    copy stays on the device) and its reduced gradient shard copied back. DeepSpeed's
+    ``zero_optimization.offload_param`` with ``offload_optimizer``, ``{"device": "cpu"}``."""
+    offload_pin_memory: bool = True
+    """With ``offload="cpu"``: keep the host shards in page-locked memory (where CUDA is present),
+    so the copies to and from the device run asynchronously (DeepSpeed's ``pin_memory``)."""
     param_dtype: torch.dtype | None = None
     """Dtype of compute and of the weight all-gathers (mixed precision); None keeps the model's."""
     reduce_dtype: torch.dtype | None = None
@@ -535,6 +547,14 @@ _INPUT_KEYS: dict[str, dict[str, str]] = {
     config: {field_name: key for key, (where, field_name) in _DEEPSPEED_KEYS.items() if where == config}
     for config in _FIELD_CHECKS}
 """Per config, each field's DeepSpeed key: what a config read from DeepSpeed calls its fields."""
+_OFFLOAD_SECTIONS = ("zero_optimization.offload_param", "zero_optimization.offload_optimizer")
+_INPUT_KEYS["zeropp"].update(offload="zero_optimization.offload_param.device",
+                             offload_pin_memory="zero_optimization.offload_param.pin_memory")
+_OFFLOAD_DEVICE = _checker("'cpu' or 'none' ('nvme', ZeRO-Infinity's offload to NVMe, is not implemented)",
+                           lambda v: v in ("cpu", "none"))
+_OFFLOAD_TUNING = ("buffer_count", "buffer_size", "max_in_cpu", "fast_init", "pipeline", "pipeline_read",
+                   "pipeline_write", "nvme_path")
+"""DeepSpeed's offload buffers and NVMe pipeline: nothing to size under FSDP2's offload."""
 _CHECKED_NOT_ACTED_ON: dict[str, Checker] = {
     # FSDP2 sizes, buckets and overlaps communication per sharded unit by itself
     "zero_optimization.reduce_bucket_size": _NON_NEGATIVE,
@@ -542,6 +562,16 @@ _CHECKED_NOT_ACTED_ON: dict[str, Checker] = {
     **dict.fromkeys(("zero_optimization.overlap_comm", "zero_optimization.contiguous_gradients",
                      "zero_optimization.reduce_scatter"), _BOOL),
 }
+_SIZED_BY_FSDP2 = {
+    *_CHECKED_NOT_ACTED_ON, *(f"zero_optimization.{name}" for name in (
+        "sub_group_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+        "stage3_param_persistence_threshold", "allgather_bucket_size", "allgather_partitions",
+        "round_robin_gradients", "elastic_checkpoint")),
+    *(f"{section}.{name}" for section in _OFFLOAD_SECTIONS for name in _OFFLOAD_TUNING),
+}
+"""Ignored keys that size or schedule DeepSpeed's own buffers, prefetching and overlap, which
+FSDP2 does per sharded unit: named in their own warning, apart from keys that would change
+memory or numerics ([Note: ignored keys])."""
 _STAGE_KEY = "zero_optimization.stage"
 _STAGE = _checker("3 (zeropp implements ZeRO-3 only)", lambda v: _is_int(v) and v == 3)
 _SECTIONS = ("zero_optimization", "zero_optimization.zeropp", "bf16", "fp16")
@@ -561,6 +591,8 @@ class _Draft:
     zeropp: dict[str, Any] = field(default_factory=dict)
     training: dict[str, Any] = field(default_factory=dict)
     ignored: list[str] = field(default_factory=list)
+    offload: dict[str, tuple[str, bool | None]] = field(default_factory=dict)
+    """Offload section -> (device, pin_memory or None when not given)."""
 
 
 def _read_section(draft: _Draft, section: dict[Any, Any], prefix: str) -> None:
@@ -576,6 +608,8 @@ def _read_section(draft: _Draft, section: dict[Any, Any], prefix: str) -> None:
             getattr(draft, config)[field_name] = _FIELD_CHECKS[config][field_name](key, value)
         elif key in _TYPED_SECTIONS:
             draft.training[key] = _read_typed_section(draft, key, _SECTION(key, value))
+        elif key in _OFFLOAD_SECTIONS:
+            draft.offload[key] = _read_offload_section(draft, key, _SECTION(key, value))
         elif key == _STAGE_KEY:
             _STAGE(key, value)
         elif prefix == _OWN_SECTION + ".":
@@ -599,6 +633,48 @@ def _read_typed_section(
     return _TYPED_SECTIONS[key](type=section["type"], params=section.get("params", {}))
 
 
+def _read_offload_section(draft: _Draft, key: str, section: dict[Any, Any]) -> tuple[str, bool | None]:
+    """An offload section's device and pin_memory; its buffer sizes are ignored (named apart,
+    see ``_SIZED_BY_FSDP2``), and any other key (``ratio``: a partial offload) is refused."""
+    for name, value in section.items():
+        if name in _OFFLOAD_TUNING:
+            draft.ignored.append(f"{key}.{name}")
+        elif name == "ratio" and _is_real(value) and value == 1:
+            pass  # DeepSpeed's default: all of it
+        elif name == "ratio":
+            raise ValueError(f"{key}.ratio={reprlib.repr(value)} asks for a partial offload, which zeropp does "
+                             "not implement; set it to 1 (everything) or leave it out")
+        elif name not in ("device", "pin_memory"):
+            raise ValueError(f"{key}.{name}={reprlib.repr(value)} is not supported; {key} accepts device "
+                             f"('cpu' or 'none'), pin_memory, ratio 1, and DeepSpeed's buffer sizes (ignored: "
+                             f"{', '.join(_OFFLOAD_TUNING)})")
+    device = _OFFLOAD_DEVICE(f"{key}.device", section.get("device", "none"))
+    pin = section.get("pin_memory")
+    return device, None if pin is None else _BOOL(f"{key}.pin_memory", pin)
+
+
+def _resolve_offload(draft: _Draft) -> None:
+    """[Note: DeepSpeed's offload keys]
+    ``offload_param`` and ``offload_optimizer`` with device "cpu" (Hugging Face's stock ZeRO-3 file
+    sets both) are FSDP2's ``CPUOffloadPolicy``: parameter and gradient shards and the optimizer
+    step on the host. ``offload_param`` alone gets the same (FSDP2 steps the optimizer where the
+    shards are, so its state moves to the host as well: less device memory than asked, never
+    more). ``offload_optimizer`` alone (ZeRO-Offload: weights on the device, the optimizer on the
+    host) has no FSDP2 policy and zeropp does not implement it, so it is refused rather than
+    silently trained on the device."""
+    param, optimizer = (draft.offload.get(key, ("none", None)) for key in _OFFLOAD_SECTIONS)
+    if param[0] == "cpu":
+        draft.zeropp["offload"] = "cpu"
+        pins = [pin for device, pin in (param, optimizer) if device == "cpu" and pin is not None]
+        if pins:
+            draft.zeropp["offload_pin_memory"] = any(pins)
+    elif optimizer[0] == "cpu":
+        raise ValueError(f"{_OFFLOAD_SECTIONS[1]}.device='cpu' without {_OFFLOAD_SECTIONS[0]}.device='cpu': "
+                         "offloading the optimizer alone (weights kept on the device) is not implemented in zeropp; "
+                         f"set {_OFFLOAD_SECTIONS[0]}.device='cpu' as well (FSDP2's CPU offload: parameters, "
+                         "gradients and the optimizer step on the host), or drop offload_optimizer")
+
+
 def load_deepspeed(config: dict[str, Any] | str | os.PathLike[str]) -> dict[Any, Any]:
     """A DeepSpeed config as a dict: given directly, or read from a JSON file (nothing checked
     beyond its being a JSON object)."""
@@ -619,13 +695,21 @@ def load_deepspeed(config: dict[str, Any] | str | os.PathLike[str]) -> dict[Any,
 
 
 def _report_ignored(keys: list[str]) -> None:
-    """Name the ignored keys this process has not named before, all in one warning."""
+    """[Note: ignored keys]
+    Name the ignored keys this process has not named before, in two warnings: those that size
+    DeepSpeed's own buffers and overlap (FSDP2 does that per unit, so nothing is lost), and the
+    rest, which under DeepSpeed could change memory or numerics and here do nothing."""
     new_keys = [key for key in keys if key not in _REPORTED_IGNORED_KEYS]
-    if new_keys:
-        _REPORTED_IGNORED_KEYS.update(new_keys)
-        logger.warning("zeropp does not act on these DeepSpeed config keys (FSDP2 buckets and "
-                       "overlaps communication per sharded unit; the others are not implemented):"
-                       " %s", ", ".join(new_keys))
+    _REPORTED_IGNORED_KEYS.update(new_keys)
+    sized = [key for key in new_keys if key in _SIZED_BY_FSDP2]
+    other = [key for key in new_keys if key not in _SIZED_BY_FSDP2]
+    if sized:
+        logger.warning("zeropp does not act on these DeepSpeed config keys, which size DeepSpeed's buffers, "
+                       "prefetching and overlap (FSDP2 gathers, reduces and overlaps per sharded unit): %s",
+                       ", ".join(sized))
+    if other:
+        logger.warning("zeropp does not implement these DeepSpeed config keys; under DeepSpeed they may change "
+                       "memory or numerics, here they do nothing: %s", ", ".join(other))
 
 
 def parse_deepspeed(config: dict[str, Any] | str | os.PathLike[str]) -> DeepSpeedConfig:
@@ -638,6 +722,7 @@ def parse_deepspeed(config: dict[str, Any] | str | os.PathLike[str]) -> DeepSpee
     raw = load_deepspeed(config)
     draft = _Draft()
     _read_section(draft, raw, "")
+    _resolve_offload(draft)
     if "stage" not in raw.get("zero_optimization", {}):
         raise ValueError(f"{_STAGE_KEY} is missing; zeropp implements ZeRO-3 only, so set it to 3")
     if draft.training.get("bf16"):

@@ -18,13 +18,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from zeropp._fsdp import (
     AllGather,
     ReduceScatter,
     fsdp_units,
     gradients_read_only_after_backward,
+    offloads_to_cpu,
     set_post_forward_mesh,
     set_process_group_timeouts,
     set_unshard_async,
@@ -87,9 +88,31 @@ def shard(
     mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
     for module in [*unit_modules, model]:  # hpZ's node mesh is set by _enable ([Note: one node mesh])
         fully_shard(module, mesh=groups.mesh, reshard_after_forward=True, mp_policy=mp_policy,
-                    ignored_params=set(scalars) or None)
+                    offload_policy=offload_policy(config), ignored_params=set(scalars) or None)
     replicate_scalars(scalars, topology)
     return _enable(model, config, groups)
+
+
+def offload_policy(config: ZeroPPConfig) -> OffloadPolicy:
+    """FSDP2's offload policy for ``config.offload``: ``CPUOffloadPolicy`` (pinned host memory
+    where CUDA is present and ``offload_pin_memory`` asks for it) or none."""
+    if config.offload == "cpu":
+        return CPUOffloadPolicy(pin_memory=config.offload_pin_memory and torch.cuda.is_available())
+    return OffloadPolicy()
+
+
+def _check_offload(model: FSDPModule, config: ZeroPPConfig) -> None:
+    """``enable`` cannot move shards already placed by ``fully_shard``: a config asking for CPU
+    offload needs every unit sharded with ``CPUOffloadPolicy``."""
+    if config.offload == "none":
+        return
+    missing = [name or type(model).__name__ for name, unit in model.named_modules()
+               if isinstance(unit, FSDPModule) and unit_parameters(unit) and not offloads_to_cpu(unit)]
+    if missing:
+        raise ValueError(f"{config.key_of('offload')}={config.offload!r}, but {', '.join(missing[:3])}"
+                         f"{' and others' if len(missing) > 3 else ''} were sharded without CPU offload; zeropp.enable "
+                         "cannot move shards fully_shard placed: pass offload_policy=CPUOffloadPolicy() to "
+                         "fully_shard (or use zeropp.shard, which does)")
 
 
 def enable(model: nn.Module, config: ZeroPPConfig | None = None, *, topology: Topology | None = None) -> nn.Module:
@@ -112,6 +135,7 @@ def enable(model: nn.Module, config: ZeroPPConfig | None = None, *, topology: To
     _check_layout(topology, agree([*config_view(config, topology), *units_view(model)]))
     check_hpz(config.hpz_partition_size, topology, config.key_of("hpz_partition_size"))
     _check_patterns(model, config)
+    _check_offload(model, config)
     return _enable(model, config, build_process_groups(topology, device_type_of(model), config.hpz_partition_size))
 
 

@@ -40,8 +40,8 @@ def field_docstrings(cls: type) -> dict[str, str]:
 
 
 def _deepspeed_key(section: str, name: str) -> str:
-    keys = [key for key, (where, field) in config._DEEPSPEED_KEYS.items() if where == section and field == name]
-    return ", ".join(f"`{key}`" for key in keys) or "—"
+    key = config._INPUT_KEYS[section].get(name)
+    return f"`{key}`" if key else "—"
 
 
 def _default(field: dataclasses.Field) -> str:
