@@ -70,9 +70,10 @@ _WAYS: tuple[tuple[str, str], ...] = (
     ("zero_offload_optimizer zero_offload_param zero_use_cpu_optimizer zero_cpu_offload "
      "zero_partial_offload super_offload cpuadam_cores_perc zero_nvme_offload_optimizer "
      "swap_tensor_config aio_config offload_states reload_states",
-     "offload parameters, gradients and optimizer steps to the host with FSDP2's policy: "
-     "fully_shard(..., offload_policy=CPUOffloadPolicy()) on your units, then zeropp.enable; "
-     "there is no NVMe offload"),
+     "offload is set in the config (zero_optimization.offload_param and offload_optimizer with device "
+     "'cpu', or ZeroPPConfig(offload='cpu')): FSDP2's CPUOffloadPolicy keeps parameter and gradient "
+     "shards and the optimizer step on the host; engine.config.zeropp.offload says which; there is no "
+     "NVMe offload"),
     ("zero_reduce_scatter zero_overlap_comm zero_sub_group_size zero_reduce_bucket_size "
      "zero_multi_rank_bucket_allreduce zero_allgather_bucket_size zero_compute_grad_norm "
      "is_first_weights_partition_group zero_contiguous_gradients zero_max_live_parameters "
