@@ -211,14 +211,8 @@ def _eval(rank: int, world_size: int, zpg: int) -> dict:
     return out
 
 
-WORLD_WIDE_HPZ = pytest.mark.xfail(
-    strict=True, reason="hpZ over the whole world (one node of 4) leaves FSDP2's fp16 post-forward shards "
-    "registered as the model's parameters after a no_grad forward: the module's parameters are no longer "
-    "the shards the optimizer updates, until the next training backward")
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("zpg", [1, 2, pytest.param(4, marks=WORLD_WIDE_HPZ)])
+@pytest.mark.parametrize("zpg", [1, 2, 4])
 def test_zeropp_eval_under_no_grad(zpg: int) -> None:
     """20 ``no_grad`` forwards: every loss is finite and equals, bit for bit, the same fp16
     model's loss in one process (the gathered weights are the fp32 shards cast to fp16, as

@@ -182,10 +182,13 @@ def _hpz_mesh(topology: Topology, hpz_partition_size: int, intra: dist.ProcessGr
     one mesh instead (``_fsdp.set_post_forward_mesh``): rows are the partitions, columns the
     ranks holding the same slice. When the partition is the whole node it is made of the groups
     zeropp already has (rows: the intra-node groups, columns: the inter-node groups), so hpZ adds
-    no process group at all; a partition smaller than the node takes one 2-D mesh per model."""
-    if hpz_partition_size == 1:
-        return None
+    no process group at all; a partition smaller than the node takes one 2-D mesh per model.
+    A partition of the whole world (one node) is the primary shard itself: there is no
+    secondary copy to keep, so hpZ is plain ZeRO-3 there and no mesh is set (a post-forward
+    mesh of the world would make FSDP2 hold a second, compute-dtype shard after forward)."""
     world_size = topology.world_size
+    if hpz_partition_size in (1, world_size):
+        return None
     if hpz_partition_size == topology.ranks_per_node:
         layout = torch.arange(world_size).view(topology.num_nodes, topology.ranks_per_node)
         return DeviceMesh.from_group([inter, intra], device_type, mesh=layout,
