@@ -34,12 +34,14 @@ def test_the_stock_offload_sections_become_fsdp2_cpu_offload() -> None:
     unpinned = parse_deepspeed(_zero(offload_param={"device": "cpu", "pin_memory": False}))
     assert unpinned.zeropp.offload == "cpu" and not unpinned.zeropp.offload_pin_memory
     assert parse_deepspeed(_zero(offload_param={"device": "none"})).zeropp.offload == "none"
+    alone = parse_deepspeed(_zero(offload_optimizer={"device": "cpu", "pin_memory": True}))
+    assert alone.zeropp.offload == "optimizer"  # ZeRO-Offload: zeropp.offload.HostOptimizer
     assert parse_deepspeed(_zero()).zeropp.offload == "none"
 
 
 @pytest.mark.parametrize(("sections", "named"), [
     ({"offload_param": {"device": "nvme", "nvme_path": "/local_nvme"}}, "zero_optimization.offload_param.device"),
-    ({"offload_optimizer": {"device": "cpu"}}, "zero_optimization.offload_optimizer.device='cpu' without"),
+    ({"offload_optimizer": {"device": "nvme"}}, "zero_optimization.offload_optimizer.device='nvme'"),
     ({"offload_param": {"device": "gpu"}}, "zero_optimization.offload_param.device='gpu'"),
     ({"offload_optimizer": {"device": "cpu", "ratio": 0.3}, "offload_param": {"device": "cpu"}},
      "zero_optimization.offload_optimizer.ratio=0.3"),
@@ -70,7 +72,7 @@ def test_ignored_keys_that_could_change_memory_are_never_mixed_with_buffer_sizes
     assert "zero_optimization.memory_efficient_linear" in other[0]
 
 
-def _train(rank: int, world_size: int, mode: str, offload: bool, out_dir: str) -> dict:
+def _train(rank: int, world_size: int, mode: str, offload: str, out_dir: str) -> dict:
     import dataclasses
 
     import zeropp
@@ -78,9 +80,11 @@ def _train(rank: int, world_size: int, mode: str, offload: bool, out_dir: str) -
     from zeropp._fsdp import fsdp_units, offloads_to_cpu, unit_parameters
     from zeropp.tools.modes import MODES
 
-    config = dataclasses.replace(MODES[mode].config(2), offload="cpu" if offload else "none")
+    config = dataclasses.replace(MODES[mode].config(2), offload=offload)
     model = zeropp.shard(make_model("gpt"), config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if offload == "optimizer":
+        optimizer = zeropp.offload_optimizer(optimizer)
     losses = []
     for step in range(4):
         if step == 2:  # a checkpoint round trip in the middle: the later steps must not notice
@@ -94,22 +98,29 @@ def _train(rank: int, world_size: int, mode: str, offload: bool, out_dir: str) -
         optimizer.zero_grad()
         losses.append(loss.item())
     units = [u for u in fsdp_units(model) if unit_parameters(u)]
-    state_devices = {v.device.type for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)}
+    host_state = optimizer.host.state.values() if offload == "optimizer" else optimizer.state.values()
+    state_devices = {v.device.type for s in host_state for v in s.values() if torch.is_tensor(v)}
     return {"losses": losses, "offloaded_units": sum(map(offloads_to_cpu, units)), "units": len(units),
-            "state_devices": sorted(state_devices)}
+            "state_devices": sorted(state_devices), "optimizer": type(optimizer).__name__}
 
 
 @pytest.mark.parametrize("mode", ["zero3", "hpz", "all"])
 def test_offloaded_training_equals_training_without_offload(tmp_path, mode) -> None:
-    """Each mode with and without ``offload="cpu"``, with a checkpoint saved and loaded mid-run:
-    every unit carries FSDP2's CPU offload policy and the optimizer state is on the host. On CPU
-    ranks the copies to the "device" move nothing, so the losses are equal bit for bit (all three
-    techniques included: the same codes of the same values)."""
-    plain = run_distributed(_train, 4, mode, False, str(tmp_path), env=TWO_BY_TWO)[0]
-    offloaded = run_distributed(_train, 4, mode, True, str(tmp_path), env=TWO_BY_TWO)[0]
+    """Each mode without offload, with ``offload="cpu"`` and with ``offload="optimizer"``, with a
+    checkpoint saved and loaded mid-run. "cpu": every unit carries FSDP2's CPU offload policy;
+    "optimizer": the optimizer is a ``HostOptimizer``, its state and masters on the host. On CPU
+    ranks the copies to and from the "device" move nothing, so the losses are equal bit for bit
+    (all three techniques included: the same codes of the same values; the host step is the same
+    AdamW on the same fp32 values), and the checkpoint round trip (masters included) changes
+    nothing."""
+    plain = run_distributed(_train, 4, mode, "none", str(tmp_path), env=TWO_BY_TWO)[0]
+    offloaded = run_distributed(_train, 4, mode, "cpu", str(tmp_path), env=TWO_BY_TWO)[0]
+    optimizer_only = run_distributed(_train, 4, mode, "optimizer", str(tmp_path), env=TWO_BY_TWO)[0]
     assert offloaded["offloaded_units"] == offloaded["units"] > 0 and plain["offloaded_units"] == 0
-    assert offloaded["state_devices"] == ["cpu"]
+    assert optimizer_only["offloaded_units"] == 0 and optimizer_only["optimizer"] == "HostOptimizer"
+    assert offloaded["state_devices"] == optimizer_only["state_devices"] == ["cpu"]
     assert offloaded["losses"] == plain["losses"], (plain["losses"], offloaded["losses"])
+    assert optimizer_only["losses"] == plain["losses"], (plain["losses"], optimizer_only["losses"])
     assert offloaded["losses"][-1] < offloaded["losses"][0]
 
 
@@ -134,13 +145,13 @@ def test_enable_refuses_offload_on_units_sharded_without_it() -> None:
     assert "offload='cpu'" in message and "CPUOffloadPolicy" in message, message
 
 
-def _engine_with_stock_file(rank: int, world_size: int, offload: bool) -> dict:
+def _engine_with_stock_file(rank: int, world_size: int, offload: tuple[str, ...]) -> dict:
     import zeropp
     from zeropp._fsdp import fsdp_units, offloads_to_cpu, unit_parameters
 
     config = copy.deepcopy(STOCK_DS_FILE)
-    if not offload:
-        for name in STOCK_OFFLOAD:
+    for name in STOCK_OFFLOAD:
+        if name not in offload:
             del config["zero_optimization"][name]
     model = make_model("gpt")
     engine, optimizer, _, _ = zeropp.initialize(model=model, config=config)
@@ -152,7 +163,8 @@ def _engine_with_stock_file(rank: int, world_size: int, offload: bool) -> dict:
         engine.step()
         losses.append(loss.item())
     units = [u for u in fsdp_units(engine.module) if unit_parameters(u)]
-    return {"losses": losses, "offloaded": all(map(offloads_to_cpu, units))}
+    return {"losses": losses, "offloaded": all(map(offloads_to_cpu, units)),
+            "optimizer": type(engine.optimizer).__name__}
 
 
 STOCK_DS_FILE = {
@@ -175,11 +187,47 @@ STOCK_DS_FILE = {
 
 
 def test_the_stock_file_trains_through_initialize_with_offload() -> None:
-    """The stock file (all three ZeRO++ keys added) through ``zeropp.initialize``: every unit
-    offloaded, and the losses those of the same file without its offload sections."""
-    offloaded = run_distributed(_engine_with_stock_file, 4, True, env=TWO_BY_TWO)
-    plain = run_distributed(_engine_with_stock_file, 4, False, env=TWO_BY_TWO)
-    for with_offload, without in zip(offloaded, plain):
-        assert with_offload["offloaded"] and not without["offloaded"]
-        assert with_offload["losses"] == without["losses"]
+    """The stock file (all three ZeRO++ keys added) through ``zeropp.initialize``: with both
+    offload sections every unit is offloaded; with ``offload_optimizer`` alone the optimizer is a
+    ``HostOptimizer``; the losses are those of the same file without offload."""
+    offloaded = run_distributed(_engine_with_stock_file, 4, tuple(STOCK_OFFLOAD), env=TWO_BY_TWO)
+    optimizer_only = run_distributed(_engine_with_stock_file, 4, ("offload_optimizer",), env=TWO_BY_TWO)
+    plain = run_distributed(_engine_with_stock_file, 4, (), env=TWO_BY_TWO)
+    for with_offload, alone, without in zip(offloaded, optimizer_only, plain):
+        assert with_offload["offloaded"] and not without["offloaded"] and not alone["offloaded"]
+        assert alone["optimizer"] == "HostOptimizer" and without["optimizer"] == "AdamW"
+        assert with_offload["losses"] == without["losses"] == alone["losses"]
         assert all(map(math.isfinite, with_offload["losses"]))
+
+
+def _trainer_resumes_with_the_optimizer_on_the_host(rank: int, world_size: int, out_dir: str) -> dict:
+    import json
+
+    from test_hf_checkpoint import SAVE_STEPS, Rows, _arguments, _losses, ds_config, tiny_gpt2
+    from zeropp.hf import ZeroPPTrainer
+
+    config_file = f"{out_dir}/ds.json"
+    if rank == 0:
+        config = ds_config(zeropp=True)
+        del config["zero_optimization"]["offload_param"]  # ZeRO-Offload: the optimizer alone
+        with open(config_file, "w") as stream:
+            json.dump(config, stream)
+    torch.distributed.barrier()
+    whole = ZeroPPTrainer(tiny_gpt2(), args=_arguments(f"{out_dir}/whole", config_file), train_dataset=Rows())
+    whole.train()
+    resumed = ZeroPPTrainer(tiny_gpt2(), args=_arguments(f"{out_dir}/resumed", config_file), train_dataset=Rows())
+    resumed.train(resume_from_checkpoint=f"{out_dir}/whole/checkpoint-{SAVE_STEPS}")
+    return {"whole": _losses(whole), "resumed": _losses(resumed),
+            "optimizer": type(resumed.optimizer.optimizer).__name__}
+
+
+@pytest.mark.slow
+def test_trainer_with_the_optimizer_on_the_host_resumes_with_equal_losses(tmp_path) -> None:
+    """Hugging Face's stock file with ``offload_param`` removed (the optimizer alone on the host),
+    all three techniques, under ``ZeroPPTrainer``: the checkpoint holds the host masters and
+    optimizer state, and a second job resuming from it logs the uninterrupted job's losses."""
+    result = run_distributed(_trainer_resumes_with_the_optimizer_on_the_host, 4, str(tmp_path), env=TWO_BY_TWO,
+                             timeout=300)[0]
+    assert result["optimizer"] == "HostOptimizer"
+    assert sorted(result["resumed"]) == sorted(result["whole"]) and len(result["whole"]) == 6
+    assert result["resumed"] == result["whole"]

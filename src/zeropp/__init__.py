@@ -21,6 +21,7 @@ _PUBLIC = {
     "enable": "zeropp.sharding",
     "generation_mode": "zeropp.hpz",
     "initialize": "zeropp.engine",
+    "offload_optimizer": "zeropp.offload",
     "optimizer_in_backward": "zeropp.stepping",
     "save_full_weights": "zeropp.checkpoint.full",
     "shard": "zeropp.sharding",

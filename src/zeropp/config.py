@@ -84,7 +84,7 @@ _BLOCK_SIZE = _checker("a power of two from 8 to 65536", lambda v: _is_int(v) an
 _PATTERNS = _checker("a list of parameter-name patterns (strings, fnmatch style)",
                      lambda v: isinstance(v, (list, tuple)) and all(isinstance(p, str) and p for p in v), tuple)
 _WEIGHT_CODE = _checker(" or ".join(map(repr, WEIGHT_CODES)), lambda v: v in WEIGHT_CODES)
-OFFLOAD_DEVICES = ("none", "cpu")
+OFFLOAD_DEVICES = ("none", "cpu", "optimizer")
 _OFFLOAD = _checker(" or ".join(map(repr, OFFLOAD_DEVICES)), lambda v: v in OFFLOAD_DEVICES)
 _SECTION = _checker("a JSON object {...}", lambda v: isinstance(v, dict))
 _DTYPE = _checker(
@@ -245,11 +245,14 @@ class ZeroPPConfig(_KeyedConfig):
     (W - 1)/W (1/2 instead of 15/16 on 2 nodes of 8). Same values; one more collective per
     gather (inside the node)."""
     offload: str = "none"
-    """Where the sharded training state lives: "none" (the device) or "cpu": FSDP2's
+    """Where the sharded training state lives: "none" (the device); "cpu": FSDP2's
     ``CPUOffloadPolicy``, parameter and gradient shards and the optimizer's state and step on the
     host, each unit's shard copied to the device just before its gathers (qwZ codes the copy, hpZ's
-    copy stays on the device) and its reduced gradient shard copied back. DeepSpeed's
-    ``zero_optimization.offload_param`` with ``offload_optimizer``, ``{"device": "cpu"}``."""
+    copy stays on the device) and its reduced gradient shard copied back (DeepSpeed's
+    ``zero_optimization.offload_param``, with or without ``offload_optimizer``, ``{"device": "cpu"}``);
+    "optimizer": the parameter shards stay on the device and an fp32 master of each and the
+    optimizer's state and step live on the host (``zeropp.offload.HostOptimizer``; DeepSpeed's
+    ``offload_optimizer`` alone, ZeRO-Offload)."""
     offload_pin_memory: bool = True
     """With ``offload="cpu"``: keep the host shards in page-locked memory (where CUDA is present),
     so the copies to and from the device run asynchronously (DeepSpeed's ``pin_memory``)."""
@@ -659,20 +662,17 @@ def _resolve_offload(draft: _Draft) -> None:
     sets both) are FSDP2's ``CPUOffloadPolicy``: parameter and gradient shards and the optimizer
     step on the host. ``offload_param`` alone gets the same (FSDP2 steps the optimizer where the
     shards are, so its state moves to the host as well: less device memory than asked, never
-    more). ``offload_optimizer`` alone (ZeRO-Offload: weights on the device, the optimizer on the
-    host) has no FSDP2 policy and zeropp does not implement it, so it is refused rather than
-    silently trained on the device."""
+    more). ``offload_optimizer`` alone (ZeRO-Offload: weights on the device, the optimizer and its
+    fp32 master on the host) has no FSDP2 policy: it is ``offload="optimizer"``, zeropp's own
+    ``HostOptimizer`` ([Note: the optimizer on the host])."""
     param, optimizer = (draft.offload.get(key, ("none", None)) for key in _OFFLOAD_SECTIONS)
     if param[0] == "cpu":
         draft.zeropp["offload"] = "cpu"
-        pins = [pin for device, pin in (param, optimizer) if device == "cpu" and pin is not None]
-        if pins:
-            draft.zeropp["offload_pin_memory"] = any(pins)
     elif optimizer[0] == "cpu":
-        raise ValueError(f"{_OFFLOAD_SECTIONS[1]}.device='cpu' without {_OFFLOAD_SECTIONS[0]}.device='cpu': "
-                         "offloading the optimizer alone (weights kept on the device) is not implemented in zeropp; "
-                         f"set {_OFFLOAD_SECTIONS[0]}.device='cpu' as well (FSDP2's CPU offload: parameters, "
-                         "gradients and the optimizer step on the host), or drop offload_optimizer")
+        draft.zeropp["offload"] = "optimizer"
+    pins = [pin for device, pin in (param, optimizer) if device == "cpu" and pin is not None]
+    if pins:
+        draft.zeropp["offload_pin_memory"] = any(pins)
 
 
 def load_deepspeed(config: dict[str, Any] | str | os.PathLike[str]) -> dict[Any, Any]:

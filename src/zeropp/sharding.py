@@ -104,7 +104,7 @@ def offload_policy(config: ZeroPPConfig) -> OffloadPolicy:
 def _check_offload(model: FSDPModule, config: ZeroPPConfig) -> None:
     """``enable`` cannot move shards already placed by ``fully_shard``: a config asking for CPU
     offload needs every unit sharded with ``CPUOffloadPolicy``."""
-    if config.offload == "none":
+    if config.offload != "cpu":
         return
     missing = [name or type(model).__name__ for name, unit in model.named_modules()
                if isinstance(unit, FSDPModule) and unit_parameters(unit) and not offloads_to_cpu(unit)]

@@ -51,6 +51,7 @@ from zeropp.engine.loss_scaler import LossScaler
 from zeropp.engine.lr_schedules import build_scheduler
 from zeropp.engine.rng import rng_state, set_rng_state
 from zeropp.ledger import comm_ledger
+from zeropp.offload import offload_optimizer
 from zeropp.qgz import HierarchicalQuantizedReduceScatter
 from zeropp.sharding import UnitSpec, enable, shard, sharded_comms
 from zeropp.topology import Topology
@@ -357,6 +358,8 @@ def initialize(*, model: nn.Module, config: dict[str, Any] | str | os.PathLike[s
     sharded = dict(model.named_parameters())
     groups = [{**group, "params": [sharded[name] for name in group["params"]]} for group in groups]
     optimizer = _build_optimizer(parsed, optimizer, groups, name_of, sharded)
+    if parsed.zeropp.offload == "optimizer":  # DeepSpeed's offload_optimizer alone
+        optimizer = offload_optimizer(optimizer)
     if parsed.training.scheduler is not None:
         if lr_scheduler is not None:
             logger.warning("zeropp: the config's scheduler (%s) is used; the lr_scheduler passed to "

@@ -35,6 +35,7 @@ from zeropp.integrations.hf_deepspeed import (
     complete_from_training_arguments,
     take_from_training_arguments,
 )
+from zeropp.offload import offload_optimizer
 from zeropp.sharding import UnitSpec, enable, shard
 from zeropp.topology import Topology
 
@@ -152,12 +153,16 @@ class ZeroPPTrainer(Trainer):
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """The DeepSpeed config's optimizer over every trainable parameter (as DeepSpeed builds
-        it) when the config has one; else Trainer's (``optim``)."""
+        it) when the config has one; else Trainer's (``optim``, or the one given). With
+        ``offload="optimizer"`` it steps on the host (``zeropp.offload``)."""
         section = self._zeropp_settings.optimizer
         if section is None or self.optimizer is not None:
-            return super().create_optimizer(model)
-        trainable = [p for p in (self.model if model is None else model).parameters() if p.requires_grad]
-        self.optimizer = getattr(torch.optim, section.torch_class_name)(trainable, **section.torch_kwargs())
+            super().create_optimizer(model)
+        else:
+            trainable = [p for p in (self.model if model is None else model).parameters() if p.requires_grad]
+            self.optimizer = getattr(torch.optim, section.torch_class_name)(trainable, **section.torch_kwargs())
+        if self.zeropp_config.offload == "optimizer":  # its groups are the original's: a schedule built on it works
+            self.optimizer = offload_optimizer(self.optimizer)
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
