@@ -252,7 +252,8 @@ class ZeroPPConfig(_KeyedConfig):
     ``zero_optimization.offload_param``, with or without ``offload_optimizer``, ``{"device": "cpu"}``);
     "optimizer": the parameter shards stay on the device and an fp32 master of each and the
     optimizer's state and step live on the host (``zeropp.offload.HostOptimizer``; DeepSpeed's
-    ``offload_optimizer`` alone, ZeRO-Offload)."""
+    ``offload_optimizer`` alone, ZeRO-Offload). ``zeropp.initialize`` and ``ZeroPPTrainer`` move
+    their optimizer there; a plain loop wraps its own: ``zeropp.offload_optimizer(optimizer)``."""
     offload_pin_memory: bool = True
     """With ``offload="cpu"``: keep the host shards in page-locked memory (where CUDA is present),
     so the copies to and from the device run asynchronously (DeepSpeed's ``pin_memory``)."""
