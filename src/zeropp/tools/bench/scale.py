@@ -107,6 +107,7 @@ def launch(config: RunConfig) -> dict[str, Any]:
         command = [sys.executable, "-m", "zeropp.tools.bench.scale_rank", "--world-size", str(config.world_size),
                    "--rank", str(config.rank), "--mode", config.mode, "--model", config.model,
                    "--layers", str(config.num_layers), "--context-length", str(config.context_length),
+                   "--device", config.device, "--timed-steps", str(config.timed_steps),
                    "--out", str(out), *(["--step"] if config.step else [])]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         started = time.perf_counter()

@@ -3,6 +3,12 @@ scale`` runs one such process per world size, rank and mode::
 
     python -m zeropp.tools.bench.scale_rank --world-size 4096 --rank 1024 --mode all --layers 2 --step --out r.json
 
+``--device cuda`` puts the rank's shards, activations and kernels on the GPU (``zeropp check``
+runs it so): its step then takes the device's real kernel times, still without a byte on a
+network, and its peak is also read from the CUDA allocator. There the slice is allocated whole
+on the GPU before sharding (``zeropp.shard`` takes its mesh's device from the parameters, and a
+meta model's would be the CPU), so set-up there is not the meta-device set-up of a CPU run.
+
 [Note: one real rank of a large job]
 ``init_process_group("fake", ...)`` makes this process rank ``rank`` of ``world_size`` ranks
 that do not exist: every collective returns at once (gathers tile the local input, reductions
@@ -42,6 +48,7 @@ import json
 import os
 import pstats
 import resource
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -81,6 +88,11 @@ class RunConfig:
     batch_size: int = 1
     context_length: int = 16
     ranks_per_node: int = RANKS_PER_NODE
+    device: str = "cpu"
+    """Where the rank's shards, activations and kernels live: "cpu" or "cuda"."""
+    timed_steps: int = 0
+    """Steps after the profiled one, timed with neither tracker nor profiler (their median is
+    ``plain_step_s``)."""
 
 
 def llama_config(model: str, num_layers: int) -> Any:
@@ -102,15 +114,15 @@ def build_meta_llama(model: str, num_layers: int) -> tuple[nn.Module, list[nn.Mo
 
 
 @torch.no_grad()
-def materialise(llama: nn.Module) -> None:
-    """Allocate this rank's shards on the CPU and initialise them (matrices N(0, 0.02), norms 1);
-    the rotary frequencies, a buffer, are computed again."""
+def materialise(llama: nn.Module, device: str = "cpu") -> None:
+    """Allocate this rank's shards on ``device`` and initialise them (matrices N(0, 0.02), norms
+    1); the rotary frequencies, a buffer, are computed again."""
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    llama.to_empty(device="cpu")
+    llama.to_empty(device=device)
     for parameter in llama.parameters():
         parameter.normal_(0.0, 0.02) if parameter.dim() > 1 else parameter.fill_(1.0)
-    llama.model.rotary_emb = LlamaRotaryEmbedding(config=llama.config)
+    llama.model.rotary_emb = LlamaRotaryEmbedding(config=llama.config).to(device)
 
 
 def storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -183,9 +195,15 @@ class Steps:
         self.llama = llama
         self.optimizer = torch.optim.AdamW(llama.parameters(), lr=1e-4)
         generator = torch.Generator().manual_seed(0)
+        self.device = torch.device(config.device)
         self.tokens = torch.randint(0, llama.config.vocab_size, (config.batch_size, config.context_length),
-                                    generator=generator)
+                                    generator=generator).to(self.device)
         self.secondary_copy_bytes = 0
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued kernels (a CUDA step returns before its kernels end)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def step(self) -> None:
         from zeropp.hpz import held_secondary_copy_bytes
@@ -202,14 +220,19 @@ class Steps:
         tracker = memory_tracker(self.llama, self.optimizer)
         tracker.track_inputs((self.tokens,))
         peak_rss_reset()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         started = time.perf_counter()
         with tracker:
             self.step()
+            self.synchronize()
         elapsed = time.perf_counter() - started
-        peak = next(iter(tracker.get_tracker_snapshot("peak").values()))
+        peaks = tracker.get_tracker_snapshot("peak")
+        peak = max((p for device, p in peaks.items() if device.type == self.device.type), key=lambda p: p["Total"])
+        cuda = {"cuda_peak_bytes": torch.cuda.max_memory_allocated(self.device)} if self.device.type == "cuda" else {}
         return {"tracked_step_s": elapsed, "peak_bytes": peak["Total"],
                 "peak_by_category": {str(getattr(k, "value", k)): v for k, v in peak.items() if k != "Total"},
-                "peak_rss_bytes": peak_rss_bytes(), "secondary_copy_bytes": self.secondary_copy_bytes}
+                "peak_rss_bytes": peak_rss_bytes(), "secondary_copy_bytes": self.secondary_copy_bytes, **cuda}
 
     def profiled_step(self) -> dict[str, Any]:
         """One step under cProfile: its time, and the time spent in zeropp's own frames (the
@@ -220,6 +243,7 @@ class Steps:
         started = time.perf_counter()
         profile.enable()
         self.step()
+        self.synchronize()
         profile.disable()
         elapsed = time.perf_counter() - started
         package = os.path.dirname(zeropp.__file__) + os.sep
@@ -235,6 +259,18 @@ class Steps:
         return {"step_s": elapsed, "zeropp_python_s": own["python_s"], "zeropp_native_s": own["native_s"],
                 "zeropp_calls": own["calls"], "zeropp_top": [[name, s] for s, name in sorted(top, reverse=True)[:8]]}
 
+    def timed_steps(self, num_steps: int) -> dict[str, Any]:
+        """``num_steps`` steps with neither tracker nor profiler: their median time, the step's
+        own pace on this device."""
+        times = []
+        for _ in range(num_steps):
+            self.synchronize()
+            started = time.perf_counter()
+            self.step()
+            self.synchronize()
+            times.append(time.perf_counter() - started)
+        return {"plain_step_s": statistics.median(times), "plain_steps_s": times}
+
 
 def run(config: RunConfig) -> dict[str, Any]:
     """Set up ``config``'s rank on the fake process group, and train it when asked."""
@@ -248,6 +284,8 @@ def run(config: RunConfig) -> dict[str, Any]:
     dist.init_process_group("fake", rank=config.rank, world_size=config.world_size, store=FakeStore())
     topology = zeropp.Topology.from_world(config.world_size, config.ranks_per_node)
     llama, units = build_meta_llama(config.model, config.num_layers)
+    if config.device != "cpu":  # zeropp.shard takes the mesh's device from the parameters ("cpu" for meta ones):
+        llama.to_empty(device=config.device)  # the full slice, uninitialised; sharding keeps this rank's shards
     mode = MODES[config.mode].config(config.ranks_per_node, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     with counting_new_groups() as new_groups:
         started = time.perf_counter()
@@ -257,7 +295,7 @@ def run(config: RunConfig) -> dict[str, Any]:
         shard_s = time.perf_counter() - started
         record: dict[str, Any] = {"config": asdict(config), "shard_s": shard_s, "new_group_calls": new_groups[0],
                                   "process_groups": num_process_groups(), "num_units": len(units) + 1}
-        materialise(llama)
+        materialise(llama, config.device)
         record["setup_s"] = time.perf_counter() - started
         record["layout"] = layout(llama)
         steps = Steps(llama, config)
@@ -269,6 +307,8 @@ def run(config: RunConfig) -> dict[str, Any]:
         if config.step:
             record.update(steps.tracked_step())
             record.update(steps.profiled_step())
+            if config.timed_steps:
+                record.update(steps.timed_steps(config.timed_steps))
         record["new_group_calls_at_end"] = new_groups[0]
     record["process_groups_at_end"] = num_process_groups()
     dist.destroy_process_group()
@@ -278,12 +318,13 @@ def run(config: RunConfig) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, kind in (("world-size", int), ("rank", int), ("mode", str), ("model", str), ("layers", int),
-                       ("context-length", int)):
+                       ("context-length", int), ("device", str), ("timed-steps", int)):
         parser.add_argument(f"--{name}", type=kind, required=name in ("world-size", "rank", "mode"))
     parser.add_argument("--step", action="store_true")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    given = {"model": args.model, "num_layers": args.layers, "context_length": args.context_length}
+    given = {"model": args.model, "num_layers": args.layers, "context_length": args.context_length,
+             "device": args.device, "timed_steps": args.timed_steps}
     config = RunConfig(world_size=args.world_size, rank=args.rank, mode=args.mode, step=args.step,
                        **{name: value for name, value in given.items() if value is not None})
     args.out.write_text(json.dumps(run(config), indent=1))
