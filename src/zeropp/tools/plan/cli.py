@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from zeropp.tools.modes import MODES, System, parse_modes
+from zeropp.tools.modes import MODES, parse_modes
 
 MACHINES = ("v100", "h100")
 
@@ -28,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--intra-node-gbyte", type=float, default=None, help="per GPU, one direction (GB/s)")
     parser.add_argument("--tflops", type=float, default=None, help="sustained per GPU")
     parser.add_argument("--memory-gb", type=float, default=None, help="per GPU")
+    parser.add_argument("--host-device-gbyte", type=float, default=None,
+                        help="per GPU, each direction (GB/s), for --offload's copies; default: the machine's "
+                             "PCIe x16 with pinned memory (v100 12: Gen3; h100 50: Gen5)")
     parser.add_argument("--overlap", type=float, default=1.0,
                         help="fraction of prefetched communication that overlaps compute (1 ideal, 0 none)")
     parser.add_argument("--batch-per-gpu", type=int, default=2, help="sequences per GPU per step")
@@ -35,6 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-checkpointing", action="store_true", help="keep every activation (default: recompute)")
     parser.add_argument("--modes", type=lambda text: parse_modes(text, MODES), default=("zero3", "hsdp", "qwz", "hpz",
                                                                                         "qgz", "all"))
+    parser.add_argument("--offload", choices=("none", "cpu"), default="none",
+                        help="cpu: FSDP2's CPU offload (ZeroPPConfig.offload, DeepSpeed's offload_param and "
+                             "offload_optimizer on cpu): shards, gradient shards and the optimizer on the host; "
+                             "adds host memory and the host-device copies, their time in the step")
+    parser.add_argument("--no-pin-memory", action="store_true",
+                        help="with --offload cpu: pageable host memory, whose copies block the step")
+    parser.add_argument("--json", action="store_true", help="print the modes as JSON (seconds, bytes)")
     parser.add_argument("--recommend", action="store_true", help="the configuration to use, and why")
     parser.add_argument("--calibrate", action="store_true",
                         help="fit the emulated cluster's constants on --calibration-records, predict "
@@ -69,6 +80,8 @@ def machine_from_args(args: argparse.Namespace) -> Any:
         changes["flops_per_s"] = args.tflops * 1e12
     if args.memory_gb is not None:
         changes["memory_bytes"] = args.memory_gb * 1e9
+    if args.host_device_gbyte is not None:
+        changes["host_device_bytes_per_s"] = args.host_device_gbyte * 1e9
     for name, value in changes.items():
         if name != "overlap" and not value > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
@@ -136,32 +149,15 @@ def _run(args: argparse.Namespace) -> int:
     if args.recommend:
         from zeropp.tools.plan.recommend import recommend
 
+        if args.offload != "none":
+            raise ValueError(f"--recommend prices configurations without offload, not --offload={args.offload}; "
+                             "drop --offload, or compare the modes with it (without --recommend)")
         print(recommend(shape, topology, workload, machine).reason)
         return 0
-    print(format_modes(shape, topology, workload, machine, args.modes))
+    from zeropp.tools.plan.table import format_record, plan_record
+
+    record = plan_record(shape, topology, workload, machine, args.modes, args.offload, not args.no_pin_memory)
+    print(json.dumps(record, indent=2) if args.json else format_record(record))
     return 0
-
-
-def format_modes(shape: Any, topology: Any, workload: Any, machine: Any, modes: tuple[str, ...]) -> str:
-    """One row per mode: predicted step, compute, exposed communication, cross-node bytes, memory."""
-    from zeropp.tools.plan.cost import cross_node_bytes_per_node, memory, step_time
-    from zeropp.tools.plan.traffic import step_transfers
-
-    lines = [f"{shape.name}: {shape.num_parameters / 1e9:.2f}B parameters on {topology.world_size} GPUs "
-             f"({topology.num_nodes} nodes x {topology.ranks_per_node}), {machine.name}",
-             f"{'mode':<10}{'step s':>9}{'x zero3':>8}{'compute s':>10}{'exposed s':>10}{'x-node GB/node':>15}"
-             f"{'memory GB':>10}"]
-    baseline = step_time(shape, MODES["zero3"].config(topology.ranks_per_node), topology, workload, machine).step_s
-    for name in modes:
-        mode = MODES[name]
-        if mode.system is System.DEEPSPEED:
-            continue
-        config = None if mode.system is System.HSDP else mode.config(topology.ranks_per_node)
-        step = step_time(shape, config, topology, workload, machine)
-        transfers = [t for unit in step_transfers(shape, config, topology, workload.precision) for t in unit]
-        lines.append(f"{name:<10}{step.step_s:>9.3f}{baseline / step.step_s:>8.2f}{step.compute_s:>10.3f}"
-                     f"{step.exposed_s:>10.3f}{cross_node_bytes_per_node(transfers, topology) / 1e9:>15.2f}"
-                     f"{memory(shape, config, topology, workload).total / 1e9:>10.1f}")
-    return "\n".join(lines)
 
 

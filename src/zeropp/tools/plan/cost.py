@@ -26,7 +26,9 @@ slot then takes the longer of its compute and the communication it hides, plus w
 the shorter one fails to overlap: ``Machine.overlap`` is that fraction's complement, 1 for ideal
 streams, less where communication kernels slow compute or prefetching stalls. Without streams
 (gloo on CPU, the emulated cluster) it is 0: compute and communication add up, and the sum is
-the same whatever the order.
+the same whatever the order. With CPU offload a unit's host-to-device copies join its gathers
+and its device-to-host copy its reduce-scatter ([Note: CPU offload in a step] in
+``zeropp.tools.plan.offload``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from zeropp.config import ZeroPPConfig
 from zeropp.ledger import GroupKind, Op
 from zeropp.tools.plan.memory import RankMemory, rank_memory
 from zeropp.tools.plan.model import ModelShape
+from zeropp.tools.plan.offload import copy_seconds, step_copies
 from zeropp.tools.plan.traffic import Precision, Transfer, padded_numels, step_transfers
 from zeropp.topology import Topology
 
@@ -81,6 +84,10 @@ class Machine:
     update_s_per_parameter: float = 0.0
     """The optimizer's time per sharded parameter it updates."""
     backend: str = "nccl"
+    host_device_bytes_per_s: float = 25e9
+    """One rank's copies between pinned host memory and its device, each direction (CPU
+    offload): PCIe Gen4 x16's effective rate unless the machine says otherwise (32 GB/s on the
+    wire, about 25 GB/s measured with pinned buffers)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,6 +170,8 @@ class StepTime:
     """All collectives and their codec work, as if nothing overlapped."""
     cross_node_s: float
     """The collectives that cross nodes, alone."""
+    host_copy_s: float = 0.0
+    """CPU offload's host-device copies, as if nothing overlapped."""
 
     @property
     def exposed_s(self) -> float:
@@ -204,15 +213,31 @@ def step_time(model: ModelShape, config: ZeroPPConfig | None, topology: Topology
     compute = unit_compute_s(model, workload, machine)
     comm = [{phase: sum(transfer_seconds(t, topology, machine) for t in unit if _phase(t) == phase)
              for phase in ("forward_gather", "backward_gather", "reduce")} for unit in per_unit]
+    total_comm = sum(sum(c.values()) for c in comm)
+    host_copy, pageable = _add_host_copies(comm, model, config, topology, machine)
     idle = {"forward_gather": 0.0, "backward_gather": 0.0, "reduce": 0.0}
     comm += [idle] * (len(compute) - len(comm))
     compute += [0.0] * (len(comm) - len(compute))
-    total_comm = sum(sum(c.values()) for c in comm)
     cross = sum(transfer_seconds(t, topology, machine) for unit in per_unit for t in unit
                 if link_bytes(t, topology, machine.backend)[1] > 0)
-    step = _overlapped(compute, comm, workload, machine.overlap)
+    step = _overlapped(compute, comm, workload, machine.overlap) + pageable
     optimizer = sharded_parameters(model, config, topology) * machine.update_s_per_parameter
-    return StepTime(step + optimizer, sum(compute), optimizer, total_comm, cross)
+    return StepTime(step + optimizer, sum(compute), optimizer, total_comm, cross, host_copy)
+
+
+def _add_host_copies(comm: list[dict[str, float]], model: ModelShape, config: ZeroPPConfig | None,
+                     topology: Topology, machine: Machine) -> tuple[float, float]:
+    """CPU offload's copies ([Note: CPU offload in a step] in ``zeropp.tools.plan.offload``):
+    pinned, each is added to its unit's collective in ``comm``; pageable, the CPU waits for them.
+    Returns the copies' seconds, and those the step waits for on top of ``comm``."""
+    copies = [copy_seconds(c, machine.host_device_bytes_per_s) for c in step_copies(model, config, topology)]
+    total = sum(sum(c.values()) for c in copies)
+    if config is not None and not config.offload_pin_memory:
+        return total, total
+    for unit_comm, unit_copy_s in zip(comm, copies):
+        for phase, seconds in unit_copy_s.items():
+            unit_comm[phase] += seconds
+    return total, 0.0
 
 
 def _phase(t: Transfer) -> str:

@@ -29,10 +29,12 @@ walks the units:
 A root that holds parameters is gathered first and stays whole to the end of backward (FSDP2
 does not reshard the root after forward), its gradients held from the first to its
 reduce-scatter. The peak is the largest moment, broken down as it stands then. Not modelled:
-error feedback's residuals, ``overlap``'s prefetching and late reduce-scatters, CPU offload,
-and the allocator's own slack (FSDP2's tracker counts tensor storages, so it is not in the
+error feedback's residuals, ``overlap``'s prefetching and late reduce-scatters, and the
+allocator's own slack (FSDP2's tracker counts tensor storages, so it is not in the
 measurement either). With activation checkpointing a block saves its input only and recomputes
-its activations in its backward.
+its activations in its backward. CPU offload takes the shards, the gradient shards and AdamW's
+states off the device and adds each gather's copy-in ([Note: CPU offload in a step] in
+``zeropp.tools.plan.offload``).
 
 [Note: qgZ's buffers]
 Hop 1 (inside the node, when a node has several ranks) takes the reduce-scatter input as W rows
@@ -53,7 +55,14 @@ import torch
 from zeropp.codes.codec import payload_bytes, segments_for
 from zeropp.config import ZeroPPConfig
 from zeropp.tools.plan.model import ModelShape, UnitShape
-from zeropp.tools.plan.traffic import Precision, keeps_codes, padded_numels, secondary_copy_bytes
+from zeropp.tools.plan.traffic import (
+    Precision,
+    backward_gathers_from_shard,
+    keeps_codes,
+    offloads,
+    padded_numels,
+    secondary_copy_bytes,
+)
 from zeropp.topology import Topology
 
 PARAMETER_BYTES = 4
@@ -120,6 +129,11 @@ class UnitBytes:
     per token (measured with FSDP2's tracker on a Llama head)."""
     largest_local: float
     """The largest unpadded parameter shard on this rank (AdamW's temporaries)."""
+    copy_in: float = 0.0
+    """CPU offload: the unit's shard copied to the device and cast to the gather dtype, held
+    beside the flat all-gather output while it is copied in, before the forward gather."""
+    copy_in_backward: float = 0.0
+    """The same before the backward gather (0 where hpZ's secondary copy serves it)."""
 
     @property
     def has_parameters(self) -> bool:
@@ -189,6 +203,7 @@ def unit_bytes(unit: UnitShape, model: ModelShape, config: ZeroPPConfig | None, 
         activations = batch * context * model.embed_dim * gather_dtype.itemsize
     if last:
         activations += model.head_activation_bytes(batch, context)
+    copy_in = sum(padded) / shard_size * gather_dtype.itemsize if offloads(config) else 0.0
     return UnitBytes(
         name=unit.name,
         shard=sum(padded) / shard_size * PARAMETER_BYTES,
@@ -209,15 +224,20 @@ def unit_bytes(unit: UnitShape, model: ModelShape, config: ZeroPPConfig | None, 
         loss=6 * batch * context * model.vocab_size if last else 0.0,
         loss_gradients=8 * batch * context * model.vocab_size if last else 0.0,
         largest_local=max((n for n, t in zip(local, unit.trainable) if t), default=0) * PARAMETER_BYTES,
+        copy_in=copy_in,
+        copy_in_backward=copy_in if backward_gathers_from_shard(config, topology) else 0.0,
     )
 
 
 class _Timeline:
-    """The step's moments: what is held now, by category; the largest total so far."""
+    """The step's moments: what is held now, by category; the largest total so far. With CPU
+    offload nothing sharded stays on the device: no shards, no AdamW states, and each gradient
+    shard only until it is copied to the host."""
 
-    def __init__(self, parameters: float, optimizer: float) -> None:
+    def __init__(self, parameters: float, optimizer: float, offload: bool) -> None:
         self.held = dict.fromkeys(("gradients", "secondary_copy", "gathered", "reduce_buffers", "activations"), 0.0)
-        self.static = {"parameters": parameters, "optimizer": optimizer}
+        self.static = {"parameters": 0.0 if offload else parameters, "optimizer": 0.0 if offload else optimizer}
+        self.offload = offload
         self.peak: RankMemory | None = None
 
     def moment(self, label: str, **extra: float) -> None:
@@ -230,6 +250,8 @@ class _Timeline:
 def _forward(timeline: _Timeline, blocks: list[UnitBytes]) -> None:
     held = timeline.held
     for unit in blocks:
+        if unit.copy_in:
+            timeline.moment(f"forward copy-in {unit.name}", gathered=unit.whole + unit.copy_in)
         timeline.moment(f"forward gather {unit.name}", gathered=unit.gather_forward)
         timeline.moment(f"forward copy-out {unit.name}", gathered=2 * unit.whole)
         timeline.moment(f"forward {unit.name}", gathered=unit.whole, activations=unit.activations + unit.loss)
@@ -246,7 +268,8 @@ def _reduce(timeline: _Timeline, unit: UnitBytes, prefetched: float) -> None:
                         gradients=unit.whole_gradients)
         timeline.moment(f"reduce-scatter {unit.name}", gathered=prefetched,
                         reduce_buffers=unit.reduce_input + unit.reducing, gradients=unit.gradient + unit.held_gradients)
-    timeline.held["gradients"] += unit.gradient
+    if not timeline.offload:
+        timeline.held["gradients"] += unit.gradient
 
 
 def _backward(timeline: _Timeline, blocks: list[UnitBytes]) -> None:
@@ -258,11 +281,16 @@ def _backward(timeline: _Timeline, blocks: list[UnitBytes]) -> None:
     order = blocks[::-1]
     for i, unit in enumerate(order):
         if i == 0:
+            if unit.copy_in_backward:
+                timeline.moment(f"backward copy-in {unit.name}", gathered=unit.whole + unit.copy_in_backward)
             timeline.moment(f"backward gather {unit.name}", gathered=unit.gather_backward)
         timeline.moment(f"backward copy-out {unit.name}", gathered=2 * unit.whole, reduce_buffers=pending)
         held["secondary_copy"] -= unit.secondary
         after = order[i + 1] if i + 1 < len(order) else None
         prefetched = after.whole if after is not None else 0.0
+        if after is not None and after.copy_in_backward:
+            timeline.moment(f"backward prefetch copy-in {after.name}",
+                            gathered=unit.whole + after.whole + after.copy_in_backward, reduce_buffers=pending)
         if after is not None:
             timeline.moment(f"backward prefetch {after.name}", gathered=unit.whole + after.gather_backward,
                             reduce_buffers=pending)
@@ -288,9 +316,11 @@ def rank_memory(model: ModelShape, config: ZeroPPConfig | None, topology: Topolo
                         checkpointing) for u in model.units]
     *blocks, root = units
     blocks = [u for u in blocks if u.has_parameters]
-    timeline = _Timeline(sum(u.shard for u in units), sum(u.optimizer for u in units))
+    timeline = _Timeline(sum(u.shard for u in units), sum(u.optimizer for u in units), offloads(config))
     held = timeline.held
     if root.has_parameters:  # gathered first, whole until the end of backward, its gradients from the loss on
+        if root.copy_in:
+            timeline.moment(f"forward copy-in {root.name}", gathered=root.whole + root.copy_in)
         timeline.moment(f"forward gather {root.name}", gathered=root.gather_forward)
         timeline.moment(f"forward copy-out {root.name}", gathered=2 * root.whole)
         held["gathered"] += root.whole
@@ -299,6 +329,8 @@ def rank_memory(model: ModelShape, config: ZeroPPConfig | None, topology: Topolo
         held["activations"] += root.activations
         timeline.moment(f"loss {root.name}", activations=root.loss)
         held["gradients"] += root.whole_gradients
+        if root.copy_in_backward:  # counted whole throughout, its backward gather copies its shard in again
+            timeline.moment(f"backward copy-in {root.name}", gathered=root.copy_in_backward)
     _backward(timeline, blocks)
     if root.has_parameters:
         held["gathered"] -= root.whole
@@ -306,7 +338,8 @@ def rank_memory(model: ModelShape, config: ZeroPPConfig | None, topology: Topolo
         held["activations"] -= root.activations
         _reduce(timeline, root, 0.0)
     largest = max((u.largest_local for u in units), default=0.0)
-    timeline.moment("optimizer step", activations=2 * largest)
+    if not timeline.offload:  # offloaded, AdamW steps on the host
+        timeline.moment("optimizer step", activations=2 * largest)
     assert timeline.peak is not None
     return timeline.peak
 

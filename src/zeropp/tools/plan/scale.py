@@ -14,7 +14,8 @@ bandwidth are not stated beside it, and it sits with the low-bandwidth figures).
 Machine constants (``V100_DGX2``): NVSwitch at 120 GB/s per GPU and direction (what NCCL's
 bus bandwidth reaches of the 150 GB/s of six NVLink 2 links); InfiniBand at 90% of line rate;
 52 TFLOP/s sustained per GPU, the best rate the paper reports (ZeRO++ at 41.6% of the V100's
-125 TFLOP/s); 10 us per collective call and 2 us per ring step. How much of the prefetched
+125 TFLOP/s); 10 us per collective call and 2 us per ring step; to the host PCIe Gen3 x16, about
+12 GB/s each way with pinned buffers (15.75 GB/s on the wire). How much of the prefetched
 communication DeepSpeed's ZeRO-3 actually overlaps is the one constant the paper does not give;
 the tables show both bounds (``overlap`` 1 and 0).
 """
@@ -35,12 +36,14 @@ from zeropp.topology import Topology
 
 V100_DGX2 = Machine(name="DGX-2 (16 x V100 SXM3 32 GB), InfiniBand", ranks_per_node=16,
                     inter_node_bytes_per_s=0.9 * 400 * GBIT, intra_node_bytes_per_s=120e9, latency_s=10e-6,
-                    hop_latency_s=2e-6, flops_per_s=52e12, codec_elements_per_s=100e9, memory_bytes=32e9)
+                    hop_latency_s=2e-6, flops_per_s=52e12, codec_elements_per_s=100e9, memory_bytes=32e9,
+                    host_device_bytes_per_s=12e9)
 H100_NODE = Machine(name="8 x H100 SXM 80 GB, NVLink 4", ranks_per_node=8, inter_node_bytes_per_s=0.9 * 3200 * GBIT,
                     intra_node_bytes_per_s=360e9, latency_s=10e-6, hop_latency_s=2e-6, flops_per_s=400e12,
-                    codec_elements_per_s=400e9, memory_bytes=80e9)
+                    codec_elements_per_s=400e9, memory_bytes=80e9, host_device_bytes_per_s=50e9)
 """H100: 400 TFLOP/s sustained (40% of 989 dense bf16), NCCL's ~360 GB/s of NVLink 4's 450 GB/s
-per direction, 8 x 400 Gbit/s InfiniBand per node (one NIC per GPU) unless changed."""
+per direction, 8 x 400 Gbit/s InfiniBand per node (one NIC per GPU) unless changed; to the host
+PCIe Gen5 x16, about 50 GB/s each way with pinned buffers (63 GB/s on the wire)."""
 
 FP16 = Precision(gather_dtype=torch.float16, reduce_dtype=torch.float16)
 """The paper's traffic: fp16 weights and fp16 gradients (DeepSpeed's ZeRO-3 reduces in fp16)."""

@@ -146,6 +146,26 @@ def secondary_copy_bytes(unit: UnitShape, config: ZeroPPConfig | None, topology:
     return sum(padded) / hpz * precision.gather_dtype.itemsize
 
 
+def offloads(config: ZeroPPConfig | None) -> bool:
+    """Whether ``config`` keeps the shards on the host (``offload="cpu"``, FSDP2's
+    ``CPUOffloadPolicy``): every gather from a shard then starts with a host-to-device copy.
+    ``config`` None (FSDP2's HSDP) keeps them on the device."""
+    if config is None or config.offload == "none":
+        return False
+    if config.offload != "cpu":
+        raise ValueError(f"{config.key_of('offload')}={config.offload!r}: the cost model prices 'none' and 'cpu'")
+    return True
+
+
+def backward_gathers_from_shard(config: ZeroPPConfig | None, topology: Topology) -> bool:
+    """Whether a unit's backward all-gather starts from its primary shard, as forward's does:
+    in every mode but hpZ over a partition smaller than the world, whose secondary copy (made
+    on the device from forward's gathered weights) serves it. A partition of the whole world
+    keeps no copy (``zeropp.topology``)."""
+    hpz = config.hpz_partition_size if config is not None else 1
+    return not 1 < hpz < topology.world_size
+
+
 def _gathers(unit: UnitShape, padded: list[int], config: ZeroPPConfig, topology: Topology,
              precision: Precision) -> list[Transfer]:
     world, itemsize = topology.world_size, precision.gather_dtype.itemsize

@@ -1,0 +1,92 @@
+"""``zeropp plan``'s modes table: each mode's predicted step, memory and cross-node bytes, as
+text or JSON. With CPU offload the rows add host memory and the host-device copies, and the
+memory column is the device's ([Note: CPU offload in a step] in ``zeropp.tools.plan.offload``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from zeropp.config import ZeroPPConfig
+from zeropp.tools.modes import MODES, System
+from zeropp.tools.plan.cost import Machine, Workload, cross_node_bytes_per_node, memory, step_time
+from zeropp.tools.plan.model import ModelShape
+from zeropp.tools.plan.offload import host_memory, step_copies
+from zeropp.tools.plan.traffic import step_transfers
+from zeropp.topology import Topology
+
+
+def mode_configs(modes: tuple[str, ...], ranks_per_node: int, offload: str = "none",
+                 pin_memory: bool = True) -> dict[str, ZeroPPConfig | None]:
+    """The configurations to price by mode name: zeropp's with ``offload`` (``ZeroPPConfig.offload``),
+    FSDP2's HSDP (None) only without offload, DeepSpeed's never."""
+    configs: dict[str, ZeroPPConfig | None] = {}
+    for name in modes:
+        mode = MODES[name]
+        if mode.system is System.ZEROPP:
+            configs[name] = mode.config(ranks_per_node, offload=offload, offload_pin_memory=pin_memory)
+        elif mode.system is System.HSDP and offload == "none":
+            configs[name] = None
+    return configs
+
+
+def mode_row(name: str, shape: ModelShape, config: ZeroPPConfig | None, topology: Topology, workload: Workload,
+             machine: Machine, baseline_s: float) -> dict[str, Any]:
+    """One mode's predictions on rank 0: seconds, and bytes per rank (cross-node: per node)."""
+    step = step_time(shape, config, topology, workload, machine)
+    transfers = [t for unit in step_transfers(shape, config, topology, workload.precision) for t in unit]
+    device = memory(shape, config, topology, workload)
+    host = host_memory(shape, config, topology)
+    copies = step_copies(shape, config, topology)
+    return {"mode": name, "step_s": step.step_s, "speedup_vs_zero3": baseline_s / step.step_s,
+            "compute_s": step.compute_s, "exposed_s": step.exposed_s, "communication_s": step.communication_s,
+            "host_copy_s": step.host_copy_s,
+            "cross_node_bytes_per_node": cross_node_bytes_per_node(transfers, topology),
+            "device_memory": {**dataclasses.asdict(device), "total": device.total},
+            "host_memory": {**dataclasses.asdict(host), "total": host.total},
+            "host_to_device_bytes": sum(c.to_device for c in copies),
+            "device_to_host_bytes": sum(c.to_host for c in copies)}
+
+
+def plan_record(shape: ModelShape, topology: Topology, workload: Workload, machine: Machine, modes: tuple[str, ...],
+                offload: str = "none", pin_memory: bool = True) -> dict[str, Any]:
+    """Every mode's row, and what they were priced on; ``speedup_vs_zero3`` is against ZeRO-3
+    with the same offload."""
+    configs = mode_configs(modes, topology.ranks_per_node, offload, pin_memory)
+    zero3 = mode_configs(("zero3",), topology.ranks_per_node, offload, pin_memory)["zero3"]
+    baseline_s = step_time(shape, zero3, topology, workload, machine).step_s
+    return {"model": shape.name, "num_parameters": shape.num_parameters, "gpus": topology.world_size,
+            "num_nodes": topology.num_nodes, "gpus_per_node": topology.ranks_per_node, "machine": machine.name,
+            "batch_per_gpu": workload.batch_per_rank, "context": workload.context_length,
+            "activation_checkpointing": workload.activation_checkpointing, "offload": offload,
+            "offload_pin_memory": pin_memory, "host_device_bytes_per_s": machine.host_device_bytes_per_s,
+            "left_out": [name for name in modes if name not in configs and MODES[name].system is System.HSDP],
+            "modes": [mode_row(name, shape, config, topology, workload, machine, baseline_s)
+                      for name, config in configs.items()]}
+
+
+def format_record(record: dict[str, Any]) -> str:
+    """The table ``zeropp plan`` prints: one row per mode; with offload, host memory (GB), the
+    bytes copied to and from the device per step (GB) and their time as if nothing overlapped."""
+    offload = record["offload"] != "none"
+    head = (f"{record['model']}: {record['num_parameters'] / 1e9:.2f}B parameters on {record['gpus']} GPUs "
+            f"({record['num_nodes']} nodes x {record['gpus_per_node']}), {record['machine']}")
+    columns = (f"{'mode':<10}{'step s':>9}{'x zero3':>8}{'compute s':>10}{'exposed s':>10}{'x-node GB/node':>15}"
+               f"{'device GB' if offload else 'memory GB':>10}")
+    if offload:
+        memory_kind = "pinned" if record["offload_pin_memory"] else "pageable"
+        head += (f"; offload {record['offload']}, {memory_kind} host memory, host<->device "
+                 f"{record['host_device_bytes_per_s'] / 1e9:g} GB/s each way per GPU")
+        columns += f"{'host GB':>9}{'H2D GB':>9}{'D2H GB':>9}{'copy s':>8}"
+    lines = [head, columns]
+    for row in record["modes"]:
+        line = (f"{row['mode']:<10}{row['step_s']:>9.3f}{row['speedup_vs_zero3']:>8.2f}{row['compute_s']:>10.3f}"
+                f"{row['exposed_s']:>10.3f}{row['cross_node_bytes_per_node'] / 1e9:>15.2f}"
+                f"{row['device_memory']['total'] / 1e9:>10.1f}")
+        if offload:
+            line += (f"{row['host_memory']['total'] / 1e9:>9.1f}{row['host_to_device_bytes'] / 1e9:>9.2f}"
+                     f"{row['device_to_host_bytes'] / 1e9:>9.2f}{row['host_copy_s']:>8.3f}")
+        lines.append(line)
+    if record["left_out"]:
+        lines.append(f"not priced with offload: {', '.join(record['left_out'])} (FSDP2's own HSDP, no ZeroPPConfig)")
+    return "\n".join(lines)
