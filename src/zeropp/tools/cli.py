@@ -35,6 +35,9 @@ COMMANDS: dict[str, Command] = {
                     "predict step time and memory of every mode on a cluster; recommend a configuration"),
     "checkpoint": Command("zeropp.checkpoint.tools", "add_arguments",
                           "inspect, consolidate or export (GGUF Q8_0, int8) a zeropp checkpoint"),
+    "check": Command("zeropp.tools.check.cli", "add_arguments",
+                     "prove zeropp on this GPU within a time budget: tests, kernels, a rank at scale, compile, "
+                     "bf16/fp16, NCCL (a smoke form on the CPU)"),
     "cluster": Command("zeropp.tools.cluster.cli", "add_cluster_arguments",
                        "the emulated cluster: network namespaces + tc"),
     "launch": Command("zeropp.tools.cluster.cli", "add_launch_arguments",
