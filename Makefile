@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.zeropp-installed
 
-.PHONY: demo test test-fast lint venv clean
+.PHONY: demo test test-fast lint venv clean gpu-check
 
 venv: $(STAMP)
 
@@ -38,6 +38,13 @@ test: $(STAMP)
 # the edit-run loop: everything but the multi-minute training tests (marked slow)
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow"
+
+# zeropp proven on a GPU in one command, within 8 minutes: the machine's own python3 (torch with CUDA,
+# Triton, pytest; transformers for the rank section), no venv and no install; results in
+# benchmarks/results/gpu/<GPU name>/ (docs/guide.md). Without a GPU it runs its smoke form on the CPU.
+# GPU_CHECK_ARGS passes options on, e.g. GPU_CHECK_ARGS="--budget-s 300 --sections kernels,rank".
+gpu-check:
+	PYTHONPATH=src $(PYTHON) -m zeropp.tools.check $(GPU_CHECK_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
