@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 import zeropp
-from zeropp.tools.check import budget
+from zeropp.tools.check import budget, nccl
 from zeropp.tools.check.machine import describe, slug
+from zeropp.tools.check.ranks import run_ranks
 from zeropp.tools.check.runner import WRITE_MARGIN_S, Runner
 from zeropp.tools.check.sections import SECTIONS
 
@@ -60,6 +61,19 @@ def test_every_section_imports_without_a_gpu() -> None:
 def test_results_folder_is_named_after_the_gpu() -> None:
     assert slug({"gpus": [{"name": "NVIDIA H100 80GB HBM3"}]}) == "nvidia-h100-80gb-hbm3"
     assert slug({"gpus": []}) == "cpu-smoke"
+
+
+@pytest.mark.slow
+def test_the_nccl_sections_ranks_train_every_mode_on_cpu_ranks() -> None:
+    """The NCCL section's rank function, on 4 gloo CPU ranks as 2 nodes x 2 (a GPU machine gives
+    it NCCL and one GPU per rank): every mode trains, and the first losses agree as it checks."""
+    node_size = nccl.ranks_per_node(4)
+    results = run_ranks(nccl.nccl_rank, 4, nccl.MODES_RUN, node_size, "cpu", backend="gloo", timeout_s=300,
+                        env={"ZEROPP_RANKS_PER_NODE": str(node_size)})
+    first = {mode: results[0][mode]["losses"][0] for mode in nccl.MODES_RUN}
+    for mode in nccl.MODES_RUN:
+        assert results[0][mode]["losses"][-1] < first[mode], mode
+        assert abs(first[mode] - first["zero3"]) <= nccl.FIRST_LOSS_RTOL[mode] * first["zero3"], mode
 
 
 @pytest.mark.slow

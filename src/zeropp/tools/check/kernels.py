@@ -6,9 +6,11 @@ scales) at 2, 4 and 8 bits, one ``ChunkCodec`` encodes a chunk of ``NUMEL`` elem
 it, on every path that takes it: the torch path everywhere, the Triton kernels on CUDA (plain
 code, 4 and 8 bits), the C kernels on the CPU (plain code). ``copy_`` of the same tensor into an
 existing one is the memory-bandwidth anchor: ``encode_vs_copy`` near 1 means coding costs about
-one extra copy. GB/s count the bytes of the uncoded chunk; on CUDA each time is the median of
-``REPEATS`` runs of ``INNER`` calls between two synchronizations. Checks: the decoded chunk is
-finite, and every path of one code and width decodes it alike (the same bytes: the same error).
+one extra copy. GB/s count the bytes of the uncoded chunk (``copy_traffic_gbps``, the bytes a
+copy reads and writes, is the figure to hold against the memory's bandwidth); on CUDA each time
+is the median of ``REPEATS`` runs of ``INNER`` calls between two synchronizations. Checks: the
+decoded chunk is finite, and every path of one code and width decodes it alike (the same bytes:
+the same error).
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ def measure(name: str, code: Code, bits: int, path: str, chunk: torch.Tensor, re
     return {"code": name, "bits": bits, "path": path, "dtype": str(chunk.dtype).removeprefix("torch."),
             "numel": chunk.numel(), "compression": nbytes / codec.nbytes, "encode_gbps": nbytes / encode_s / 1e9,
             "decode_gbps": nbytes / decode_s / 1e9, "copy_gbps": nbytes / copy_s / 1e9,
+            "copy_traffic_gbps": 2 * nbytes / copy_s / 1e9,
             "encode_vs_copy": copy_s / encode_s, "decode_vs_copy": copy_s / decode_s,
             "relative_rms_error": error.item()}
 

@@ -31,7 +31,9 @@ def ranks_per_node(num_gpus: int) -> int:
     return num_gpus // 2 if num_gpus >= 4 and num_gpus % 2 == 0 else num_gpus
 
 
-def nccl_rank(rank: int, world_size: int, modes: tuple[str, ...], node_size: int) -> dict[str, Any]:
+def nccl_rank(rank: int, world_size: int, modes: tuple[str, ...], node_size: int,
+              device: str = "cuda") -> dict[str, Any]:
+    """Each mode's run on this rank (``device``: this rank's GPU, which ``run_ranks`` made current)."""
     import torch
 
     import zeropp
@@ -39,7 +41,7 @@ def nccl_rank(rank: int, world_size: int, modes: tuple[str, ...], node_size: int
 
     out = {}
     for mode in modes:
-        model = zeropp.shard(tiny_gpt().to("cuda"), MODES[mode].config(node_size))
+        model = zeropp.shard(tiny_gpt().to(device), MODES[mode].config(node_size))
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         losses, times = [], []
 
@@ -52,7 +54,7 @@ def nccl_rank(rank: int, world_size: int, modes: tuple[str, ...], node_size: int
 
         for index in range(NUM_STEPS):
             loss, seconds = timed(lambda: step(*local_batch(index, ROWS_PER_RANK * world_size, rank, world_size,
-                                                            "cuda")), "cuda")
+                                                            device)), device)
             losses.append(loss)
             times.append(seconds)
         out[mode] = {"losses": losses, "step_s": times}

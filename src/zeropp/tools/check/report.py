@@ -44,9 +44,15 @@ def summary(entry: dict[str, Any]) -> str:
     return importlib.import_module(SECTIONS[entry["name"]].module).summary(entry["parts"])
 
 
+def _gpu(gpu: dict[str, Any]) -> str:
+    nominal = gpu["nominal_bandwidth_gbps"]
+    return (f"{gpu['name']} ({gpu['memory_bytes'] / 2**30:.0f} GiB"
+            + (f", {nominal:.0f} GB/s nominal)" if nominal else ")"))
+
+
 def markdown(results: dict[str, Any]) -> str:
     machine = results["machine"]
-    gpus = ", ".join(gpu["name"] for gpu in machine["gpus"]) or "none"
+    gpus = ", ".join(_gpu(gpu) for gpu in machine["gpus"]) or "none"
     lines = [f"# zeropp check ({results['form']} form)", "",
              f"`{' '.join(results['command'])}` on {results['started']}: torch {machine['torch']} "
              f"(CUDA {machine['cuda']}), Triton {machine['triton']}, GPUs: {gpus}; CPU: {machine['cpu']} "
