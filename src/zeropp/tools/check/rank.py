@@ -17,11 +17,12 @@ smoke form trains a narrow Llama at 16 ranks on the CPU.
 from __future__ import annotations
 
 import gc
+import importlib.util
 from typing import Any
 
 import torch
 
-from zeropp.tools.check.record import Context, Record
+from zeropp.tools.check.record import Context, Record, Skip
 from zeropp.tools.check.report import parts_table, table
 
 RUNS = ((64, "zero3"), (64, "all"), (1024, "zero3"), (1024, "all"), (64, "qwz"), (64, "qgz"), (64, "hpz"),
@@ -38,6 +39,9 @@ def run(context: Context, record: Record) -> None:
     from zeropp.tools.bench.scale_rank import RunConfig
     from zeropp.tools.bench.scale_rank import run as run_rank
 
+    if importlib.util.find_spec("transformers") is None:
+        with record.part("llama"):
+            raise Skip("needs transformers, whose Llama gives the shapes")
     model = "narrow" if context.smoke else "llama3-8b"
     shapes = {SLICE_LAYERS: scale.model_shape(model, SLICE_LAYERS)}
     for world_size, mode in SMOKE_RUNS if context.smoke else RUNS:
