@@ -134,6 +134,7 @@ def header(group: list[Entry], metadata: dict[str, str] | None = None) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
+@torch.no_grad()
 def gathered(entry: Entry) -> torch.Tensor:
     """``entry``'s full tensor on every rank of its mesh, in its output dtype, on the CPU."""
     value = entry.value.full_tensor() if isinstance(entry.value, DTensor) else entry.value
@@ -153,7 +154,7 @@ class _Files:
         self._stream: BinaryIO | None = None
         self._partial: Path | None = None
 
-    def _attempt(self, action: Any) -> None:
+    def attempt(self, action: Any) -> None:
         if self.failure is None:
             try:
                 action()
@@ -166,10 +167,10 @@ class _Files:
             self._partial = self.directory / (filename + ".partial")
             self._stream = open(self._partial, "wb")
             self._stream.write(header(group))
-        self._attempt(begin)
+        self.attempt(begin)
 
     def write(self, tensor: torch.Tensor) -> None:
-        self._attempt(lambda: self._stream.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy())))
+        self.attempt(lambda: self._stream.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy())))
 
     def commit(self) -> None:
         def finish() -> None:
@@ -180,15 +181,20 @@ class _Files:
             os.replace(self._partial, final)
             self.written.append(final)
             self._stream = self._partial = None
-        self._attempt(finish)
+        self.attempt(finish)
 
     def close(self) -> None:
-        """Close and remove a file left unfinished."""
-        if self._stream is not None:
-            self._stream.close()
-        if self._partial is not None:
-            self._partial.unlink(missing_ok=True)
+        """Close and remove a file left unfinished (what cannot be removed stays: the failure
+        being reported already names it)."""
+        stream, partial = self._stream, self._partial
         self._stream = self._partial = None
+        if stream is not None:
+            stream.close()
+        if partial is not None and stream is not None:  # this save opened it: remove it
+            try:
+                partial.unlink(missing_ok=True)
+            except OSError:
+                pass
 
 
 def _write_index(plan: list[tuple[str, list[Entry]]], directory: Path, filename: str) -> Path:
@@ -229,7 +235,7 @@ def save_full_weights(model: nn.Module | dict[str, Any], directory: str | os.Pat
     distributed = dist.is_initialized()
     files = _Files(directory) if not distributed or dist.get_rank() == writer_rank else None
     if files is not None:
-        files._attempt(lambda: directory.mkdir(parents=True, exist_ok=True))
+        files.attempt(lambda: directory.mkdir(parents=True, exist_ok=True))
     try:
         for name, group in plan:
             if files is not None:
@@ -242,9 +248,9 @@ def save_full_weights(model: nn.Module | dict[str, Any], directory: str | os.Pat
             if files is not None:
                 files.commit()
         if files is not None and len(plan) > 1:
-            files._attempt(lambda: files.written.append(_write_index(plan, directory, filename)))
+            files.attempt(lambda: files.written.append(_write_index(plan, directory, filename)))
         if files is not None:
-            files._attempt(lambda: _remove_stale(directory, filename, [p.name for p in files.written]))
+            files.attempt(lambda: _remove_stale(directory, filename, [p.name for p in files.written]))
     finally:
         if files is not None:
             files.close()
