@@ -209,8 +209,12 @@ def _new_groups(rank_lists: list[list[int]], rank: int) -> dist.ProcessGroup:
 
 
 def device_type_of(module: torch.nn.Module) -> str:
-    """The device type FSDP should use for ``module`` ("cpu" or "cuda"/...)."""
+    """The device type FSDP should use for ``module`` ("cpu" or "cuda"/...): its parameters'; for a
+    model still on the meta device (to be materialised with ``to_empty`` after sharding), the
+    machine's accelerator where there is one, else "cpu"."""
     for tensor in module.parameters():
         if tensor.device.type != "meta":
             return tensor.device.type
+    if torch.accelerator.is_available():
+        return torch.accelerator.current_accelerator().type
     return "cpu"
