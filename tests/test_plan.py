@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
+from zeropp.config import ZeroPPConfig
 from zeropp.ledger import COUNTS
 from zeropp.tools.bench.worker import BENCH_MODES, WorkerConfig, run
 from zeropp.tools.models import GPTConfig
@@ -71,6 +72,48 @@ def test_bytes_equal_the_ledger_of_a_real_run() -> None:
         assert predicted == measured, mode
     assert record["num_parameters"] == model_shape.gpt(GPTConfig(
         vocab_size=84, context_length=18, num_layers=2, num_heads=2, embed_dim=48)).num_parameters
+
+
+@pytest.mark.parametrize("num_nodes,ranks_per_node", [(1, 4), (2, 2)])
+def test_hpz_copy_and_backward_gathers_are_those_of_a_real_run(num_nodes: int, ranks_per_node: int) -> None:
+    """hpZ over the node: on one node of 4 its partition is the whole world, where a run keeps no
+    secondary copy and gathers backward from the shard (qwZ's gather quantized over the world),
+    as the plan prices it; on 2 nodes of 2 it keeps the copy the plan counts (decoded for hpZ,
+    codes for all three). Every ledger row and every rank's copy, equal."""
+    config = replace(TRAFFIC_JOB, modes=("hpz", "all"), param_dtype="bfloat16")
+    world_size = num_nodes * ranks_per_node
+    record, *_ = run_distributed(_traffic_job, world_size, config,
+                                 env={"ZEROPP_RANKS_PER_NODE": str(ranks_per_node)}, timeout=300)
+    topology = Topology(num_nodes=num_nodes, ranks_per_node=ranks_per_node)
+    shape = model_shape.gpt(GPTConfig(vocab_size=84, context_length=config.context_length,
+                                      num_layers=config.num_layers, num_heads=config.num_heads,
+                                      embed_dim=config.embed_dim))
+    precision = traffic.Precision(gather_dtype=torch.bfloat16)
+    for mode in config.modes:
+        measured = record["modes"][mode]
+        assert _predicted_rows(mode, config, topology, vocab_size=84) == _measured_rows(measured["ledger_per_step"])
+        copy = sum(traffic.secondary_copy_bytes(u, MODES[mode].config(ranks_per_node), topology, precision)
+                   for u in shape.units)
+        assert measured["secondary_copy_bytes"] == [copy] * world_size, mode
+        assert (copy > 0) == (num_nodes > 1)
+
+
+def test_hpz_over_the_whole_world_is_priced_as_without_it() -> None:
+    """On one node of 8 hpZ's partition of 8 is the primary shard: the same collectives, memory
+    and step as the mode without hpZ, with or without qwZ, offloaded or not. Over the node of 2
+    nodes it keeps a copy."""
+    shape, workload, machine = _small_gpt(4, 256), _paper_workload(1024), scale.V100_DGX2
+    both = {"quantized_weights": True, "quantized_gradients": True}
+    one_node = Topology(num_nodes=1, ranks_per_node=8)
+    for options in ({}, both, {**both, "quantize_intra_node_weights": True}, {"offload": "cpu"}):
+        with_hpz, without = ZeroPPConfig(**options, hpz_partition_size=8), ZeroPPConfig(**options)
+        assert all(traffic.secondary_copy_bytes(u, with_hpz, one_node, workload.precision) == 0 for u in shape.units)
+        for price in (lambda c: traffic.step_transfers(shape, c, one_node, workload.precision),
+                      lambda c: cost.memory(shape, c, one_node, workload),
+                      lambda c: cost.step_time(shape, c, one_node, workload, machine)):
+            assert price(with_hpz) == price(without), options
+    two_nodes = Topology(num_nodes=2, ranks_per_node=4)
+    assert cost.memory(shape, ZeroPPConfig(hpz_partition_size=4), two_nodes, workload).secondary_copy > 0
 
 
 def test_model_shapes_of_a_gpt_and_a_hugging_face_llama() -> None:

@@ -39,10 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-checkpointing", action="store_true", help="keep every activation (default: recompute)")
     parser.add_argument("--modes", type=lambda text: parse_modes(text, MODES), default=("zero3", "hsdp", "qwz", "hpz",
                                                                                         "qgz", "all"))
-    parser.add_argument("--offload", choices=("none", "cpu"), default="none",
-                        help="cpu: FSDP2's CPU offload (ZeroPPConfig.offload, DeepSpeed's offload_param and "
-                             "offload_optimizer on cpu): shards, gradient shards and the optimizer on the host; "
-                             "adds host memory and the host-device copies, their time in the step")
+    parser.add_argument("--offload", choices=("none", "cpu", "optimizer"), default="none",
+                        help="ZeroPPConfig.offload; adds host memory and the host-device copies, their time in the "
+                             "step. cpu: FSDP2's CPU offload (DeepSpeed's offload_param, with or without "
+                             "offload_optimizer): shards, gradient shards and the optimizer on the host. optimizer: "
+                             "zeropp's HostOptimizer (DeepSpeed's offload_optimizer alone, ZeRO-Offload): fp32 "
+                             "masters and the optimizer on the host, each gradient shard copied there and each "
+                             "updated shard back after backward")
     parser.add_argument("--no-pin-memory", action="store_true",
                         help="with --offload cpu: pageable host memory, whose copies block the step")
     parser.add_argument("--json", action="store_true", help="print the modes as JSON (seconds, bytes)")

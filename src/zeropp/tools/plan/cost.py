@@ -28,7 +28,8 @@ streams, less where communication kernels slow compute or prefetching stalls. Wi
 (gloo on CPU, the emulated cluster) it is 0: compute and communication add up, and the sum is
 the same whatever the order. With CPU offload a unit's host-to-device copies join its gathers
 and its device-to-host copy its reduce-scatter ([Note: CPU offload in a step] in
-``zeropp.tools.plan.offload``).
+``zeropp.tools.plan.offload``); with the optimizer on the host its copies follow backward, outside
+this schedule ([Note: the optimizer on the host in a step] there).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from zeropp.ledger import GroupKind, Op
 from zeropp.tools.plan.memory import RankMemory, rank_memory
 from zeropp.tools.plan.model import ModelShape
 from zeropp.tools.plan.offload import copy_seconds, step_copies
-from zeropp.tools.plan.traffic import Precision, Transfer, padded_numels, step_transfers
+from zeropp.tools.plan.traffic import Precision, Transfer, offloads_shards, padded_numels, step_transfers
 from zeropp.topology import Topology
 
 GBIT = 1e9 / 8
@@ -171,7 +172,7 @@ class StepTime:
     cross_node_s: float
     """The collectives that cross nodes, alone."""
     host_copy_s: float = 0.0
-    """CPU offload's host-device copies, as if nothing overlapped."""
+    """Offload's host-device copies, as if nothing overlapped."""
 
     @property
     def exposed_s(self) -> float:
@@ -227,12 +228,13 @@ def step_time(model: ModelShape, config: ZeroPPConfig | None, topology: Topology
 
 def _add_host_copies(comm: list[dict[str, float]], model: ModelShape, config: ZeroPPConfig | None,
                      topology: Topology, machine: Machine) -> tuple[float, float]:
-    """CPU offload's copies ([Note: CPU offload in a step] in ``zeropp.tools.plan.offload``):
-    pinned, each is added to its unit's collective in ``comm``; pageable, the CPU waits for them.
-    Returns the copies' seconds, and those the step waits for on top of ``comm``."""
-    copies = [copy_seconds(c, machine.host_device_bytes_per_s) for c in step_copies(model, config, topology)]
+    """Offload's copies ([Note: CPU offload in a step], [Note: the optimizer on the host in a
+    step] in ``zeropp.tools.plan.offload``): CPU offload's, pinned, each added to its unit's
+    collective in ``comm``; pageable ones, and the optimizer's after backward, the step waits
+    for. Returns the copies' seconds, and those the step waits for on top of ``comm``."""
+    copies = [copy_seconds(c, config, machine.host_device_bytes_per_s) for c in step_copies(model, config, topology)]
     total = sum(sum(c.values()) for c in copies)
-    if config is not None and not config.offload_pin_memory:
+    if not (offloads_shards(config) and config.offload_pin_memory):
         return total, total
     for unit_comm, unit_copy_s in zip(comm, copies):
         for phase, seconds in unit_copy_s.items():

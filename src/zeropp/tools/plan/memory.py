@@ -14,7 +14,8 @@ walks the units:
   packed payloads of every rank beside the flat output while they decode), the unit's compute
   (its unsharded weights, the activations it saves) and, under hpZ, the secondary copy it keeps
   for backward (the padded unit over the node's ranks in the gather dtype, or under qwZ the
-  payload rows it is kept as: ``traffic.secondary_copy_bytes``);
+  payload rows it is kept as: ``traffic.secondary_copy_bytes``; none over a partition of the
+  whole world, ``traffic.keeps_secondary_copy``);
 - backward, in reverse: the unit gathered again (under hpZ from its secondary copy, freed then;
   kept as codes, the gather receives and decodes the world's payload rows as forward's does)
   and the unit after it prefetched (FSDP2 gathers the next unit of backward while one computes),
@@ -34,7 +35,8 @@ allocator's own slack (FSDP2's tracker counts tensor storages, so it is not in t
 measurement either). With activation checkpointing a block saves its input only and recomputes
 its activations in its backward. CPU offload takes the shards, the gradient shards and AdamW's
 states off the device and adds each gather's copy-in ([Note: CPU offload in a step] in
-``zeropp.tools.plan.offload``).
+``zeropp.tools.plan.offload``); the optimizer on the host takes AdamW's states and the step's
+temporaries off it ([Note: the optimizer on the host in a step] there).
 
 [Note: qgZ's buffers]
 Hop 1 (inside the node, when a node has several ranks) takes the reduce-scatter input as W rows
@@ -59,7 +61,9 @@ from zeropp.tools.plan.traffic import (
     Precision,
     backward_gathers_from_shard,
     keeps_codes,
-    offloads,
+    keeps_secondary_copy,
+    offloads_optimizer,
+    offloads_shards,
     padded_numels,
     secondary_copy_bytes,
 )
@@ -191,10 +195,11 @@ def unit_bytes(unit: UnitShape, model: ModelShape, config: ZeroPPConfig | None, 
     trainable = [n for n, t in zip(padded, unit.trainable) if t]
     quantize = [config is not None and (config.quantized_weights or (config.quantized_nontrainable_weights and not t))
                 for t in unit.trainable]
-    hpz = config.hpz_partition_size if config is not None else 1
-    codes = hpz > 1 and keeps_codes(quantize, config, topology)
-    backward_group = hpz if hpz > 1 and not codes else shard_size
-    backward_quantize = quantize if hpz <= 1 or codes or config.quantize_intra_node_weights else [False] * len(quantize)
+    secondary = keeps_secondary_copy(config, topology)
+    codes = secondary and keeps_codes(quantize, config, topology)
+    backward_group = config.hpz_partition_size if secondary and not codes else shard_size
+    backward_quantize = (quantize if not secondary or codes or config.quantize_intra_node_weights
+                         else [False] * len(quantize))
     batch, context = tokens
     whole_gradients = sum(math.prod(s) for s, t in zip(unit.shapes, unit.trainable) if t) * gather_dtype.itemsize
     activations = model.block_activation_bytes(batch, context, gather_dtype.itemsize) if unit.is_block else 0.0
@@ -203,7 +208,7 @@ def unit_bytes(unit: UnitShape, model: ModelShape, config: ZeroPPConfig | None, 
         activations = batch * context * model.embed_dim * gather_dtype.itemsize
     if last:
         activations += model.head_activation_bytes(batch, context)
-    copy_in = sum(padded) / shard_size * gather_dtype.itemsize if offloads(config) else 0.0
+    copy_in = sum(padded) / shard_size * gather_dtype.itemsize if offloads_shards(config) else 0.0
     return UnitBytes(
         name=unit.name,
         shard=sum(padded) / shard_size * PARAMETER_BYTES,
@@ -232,12 +237,13 @@ def unit_bytes(unit: UnitShape, model: ModelShape, config: ZeroPPConfig | None, 
 class _Timeline:
     """The step's moments: what is held now, by category; the largest total so far. With CPU
     offload nothing sharded stays on the device: no shards, no AdamW states, and each gradient
-    shard only until it is copied to the host."""
+    shard only until it is copied to the host; with the optimizer on the host, no AdamW states."""
 
-    def __init__(self, parameters: float, optimizer: float, offload: bool) -> None:
+    def __init__(self, parameters: float, optimizer: float, config: ZeroPPConfig | None) -> None:
         self.held = dict.fromkeys(("gradients", "secondary_copy", "gathered", "reduce_buffers", "activations"), 0.0)
-        self.static = {"parameters": 0.0 if offload else parameters, "optimizer": 0.0 if offload else optimizer}
-        self.offload = offload
+        self.shards_on_host, self.optimizer_on_host = offloads_shards(config), offloads_optimizer(config)
+        self.static = {"parameters": 0.0 if self.shards_on_host else parameters,
+                       "optimizer": 0.0 if self.optimizer_on_host else optimizer}
         self.peak: RankMemory | None = None
 
     def moment(self, label: str, **extra: float) -> None:
@@ -268,7 +274,7 @@ def _reduce(timeline: _Timeline, unit: UnitBytes, prefetched: float) -> None:
                         gradients=unit.whole_gradients)
         timeline.moment(f"reduce-scatter {unit.name}", gathered=prefetched,
                         reduce_buffers=unit.reduce_input + unit.reducing, gradients=unit.gradient + unit.held_gradients)
-    if not timeline.offload:
+    if not timeline.shards_on_host:
         timeline.held["gradients"] += unit.gradient
 
 
@@ -316,7 +322,7 @@ def rank_memory(model: ModelShape, config: ZeroPPConfig | None, topology: Topolo
                         checkpointing) for u in model.units]
     *blocks, root = units
     blocks = [u for u in blocks if u.has_parameters]
-    timeline = _Timeline(sum(u.shard for u in units), sum(u.optimizer for u in units), offloads(config))
+    timeline = _Timeline(sum(u.shard for u in units), sum(u.optimizer for u in units), config)
     held = timeline.held
     if root.has_parameters:  # gathered first, whole until the end of backward, its gradients from the loss on
         if root.copy_in:
@@ -338,7 +344,7 @@ def rank_memory(model: ModelShape, config: ZeroPPConfig | None, topology: Topolo
         held["activations"] -= root.activations
         _reduce(timeline, root, 0.0)
     largest = max((u.largest_local for u in units), default=0.0)
-    if not timeline.offload:  # offloaded, AdamW steps on the host
+    if not timeline.optimizer_on_host:  # offloaded, AdamW steps on the host
         timeline.moment("optimizer step", activations=2 * largest)
     assert timeline.peak is not None
     return timeline.peak

@@ -1,6 +1,7 @@
-"""CPU offload as the cost model sees it (``ZeroPPConfig.offload="cpu"``, FSDP2's
-``CPUOffloadPolicy``): what a rank holds in host memory, and what each unit copies between host
-and device in a step.
+"""Offload as the cost model sees it: CPU offload (``ZeroPPConfig.offload="cpu"``, FSDP2's
+``CPUOffloadPolicy``) and the optimizer on the host (``offload="optimizer"``,
+``zeropp.offload.HostOptimizer``): what a rank holds in host memory, and what each unit copies
+between host and device in a step.
 
 [Note: CPU offload in a step]
 FSDP2 keeps every parameter's padded shard on the host in the parameters' dtype (fp32,
@@ -31,6 +32,27 @@ CPU that launches the next kernels: they add to the step whole. Not modelled: th
 time on the host (``Machine.update_s_per_parameter`` prices it as on the device), its
 temporaries there, and ranks of a node contending for the host's memory bandwidth beyond what
 the per-rank rate already accounts for.
+
+[Note: the optimizer on the host in a step]
+``HostOptimizer`` (``zeropp.offload``'s [Note: the optimizer on the host]) leaves the parameter
+shards on the device in the parameters' dtype (``memory.PARAMETER_BYTES``), so the gathers, the
+reduce-scatters and the gradient shards are the mode's without offload. For each trainable parameter (the
+optimizer's ``param_groups``, as ``zeropp.initialize`` builds them) it keeps an fp32 master of
+the unpadded shard in host memory and AdamW's two fp32 states beside it: the device holds no
+optimizer state and no master (the plan's parameters are fp32: the device shard is the parameter
+itself, and the copies below cast nothing). After backward its ``step``:
+
+- copies each gradient shard's unpadded rows to the host in fp32 (``.to("cpu", torch.float32)``),
+  all of them alive while the host steps;
+- steps AdamW on the masters there (its temporaries on the host too);
+- copies each updated master into its device shard, cast to the shard's dtype.
+
+Time, at ``Machine.host_device_bytes_per_s`` each way: the copies run between the last
+reduce-scatter and the next forward with nothing to overlap them, so they add to the step whole.
+``Machine.update_s_per_parameter`` prices the host's AdamW as on the device. Not modelled: the
+host tensors are pageable, whose copies may run below the pinned rate (``--host-device-gbyte``
+sets it), AdamW's temporaries on the host, and ranks of a node sharing the host's memory
+bandwidth.
 """
 
 from __future__ import annotations
@@ -41,22 +63,28 @@ from dataclasses import dataclass, fields
 from zeropp.config import ZeroPPConfig
 from zeropp.tools.plan.memory import PARAMETER_BYTES, local_rows
 from zeropp.tools.plan.model import ModelShape, UnitShape
-from zeropp.tools.plan.traffic import backward_gathers_from_shard, offloads, padded_numels
+from zeropp.tools.plan.traffic import backward_gathers_from_shard, offloads_optimizer, offloads_shards, padded_numels
 from zeropp.topology import Topology
+
+MASTER_BYTES = 4
+"""fp32: ``HostOptimizer``'s masters, the gradient copies it steps them with, and AdamW's states."""
 
 
 @dataclass(frozen=True)
 class HostMemory:
-    """Bytes one rank holds in host memory with CPU offload (all 0 without)."""
+    """Bytes one rank holds in host memory with offload (all 0 without)."""
 
     parameters: float
-    """The padded parameter shards."""
+    """The padded parameter shards (offload cpu), or the fp32 masters of the trainable shards'
+    unpadded rows (offload optimizer)."""
     gradients: float
-    """The reduced gradient shards (unpadded rows, the parameters' dtype)."""
+    """The gradient shards' unpadded rows: reduced, in the parameters' dtype (offload cpu), or
+    copied in fp32 for the host's step (offload optimizer)."""
     optimizer: float
     """AdamW's two states of the unpadded shards."""
     pinned_rounding: float
-    """What the caching host allocator adds rounding pinned shards up to powers of two."""
+    """What the caching host allocator adds rounding pinned shards up to powers of two (offload
+    cpu, pinned)."""
 
     @property
     def total(self) -> float:
@@ -68,37 +96,45 @@ class UnitCopies:
     """Bytes one unit copies between host and device on one rank in one step."""
 
     to_device_forward: float
-    """The padded shard, before the forward gather."""
+    """Offload cpu: the padded shard, before the forward gather."""
     to_device_backward: float
-    """The padded shard again before the backward gather (0 where hpZ's copy serves it)."""
+    """Offload cpu: the padded shard again before the backward gather (0 where hpZ's copy serves it)."""
     to_host: float
-    """The reduced gradient shard's unpadded rows."""
+    """The gradient shard's unpadded rows: after the unit's reduce-scatter, in the parameters'
+    dtype (offload cpu), or in fp32 for the host's step (offload optimizer)."""
+    to_device_step: float = 0.0
+    """Offload optimizer: the updated masters' rows copied into the shard after the host's step,
+    in the parameters' dtype."""
 
     @property
     def to_device(self) -> float:
-        return self.to_device_forward + self.to_device_backward
+        return self.to_device_forward + self.to_device_backward + self.to_device_step
 
 
 def _shard_size(config: ZeroPPConfig | None, topology: Topology) -> int:
     return topology.ranks_per_node if config is None else topology.world_size
 
 
-def _local_numels(unit: UnitShape, shard_size: int, rank: int) -> list[int]:
-    """Each parameter's unpadded rows on ``rank``, in elements."""
-    return [local_rows(shape[0], shard_size, rank % shard_size) * math.prod(shape[1:]) for shape in unit.shapes]
+def _trainable_numels(unit: UnitShape, shard_size: int, rank: int) -> list[int]:
+    """Each trainable parameter's unpadded rows on ``rank``, in elements."""
+    return [local_rows(shape[0], shard_size, rank % shard_size) * math.prod(shape[1:])
+            for shape, trainable in zip(unit.shapes, unit.trainable) if trainable]
 
 
 def unit_copies(unit: UnitShape, config: ZeroPPConfig | None, topology: Topology, rank: int = 0) -> UnitCopies:
-    """``unit``'s host-device copies on ``rank`` ([Note: CPU offload in a step]); all 0 without offload."""
-    if not offloads(config) or not unit.shapes:
+    """``unit``'s host-device copies on ``rank`` ([Note: CPU offload in a step], [Note: the
+    optimizer on the host in a step]); all 0 without offload."""
+    if not offloads_optimizer(config) or not unit.shapes:
         return UnitCopies(0.0, 0.0, 0.0)
     shard_size = _shard_size(config, topology)
+    trainable = sum(_trainable_numels(unit, shard_size, rank))
+    if not offloads_shards(config):
+        return UnitCopies(0.0, 0.0, trainable * MASTER_BYTES, to_device_step=trainable * PARAMETER_BYTES)
     shard = sum(padded_numels(unit, shard_size)) / shard_size * PARAMETER_BYTES
-    local = _local_numels(unit, shard_size, rank)
     return UnitCopies(
         to_device_forward=shard,
         to_device_backward=shard if backward_gathers_from_shard(config, topology) else 0.0,
-        to_host=sum(n for n, t in zip(local, unit.trainable) if t) * PARAMETER_BYTES)
+        to_host=trainable * PARAMETER_BYTES)
 
 
 def step_copies(model: ModelShape, config: ZeroPPConfig | None, topology: Topology,
@@ -113,25 +149,30 @@ def _pinned_rounding(sizes: list[float]) -> float:
 
 
 def host_memory(model: ModelShape, config: ZeroPPConfig | None, topology: Topology, rank: int = 0) -> HostMemory:
-    """What ``rank`` holds in host memory through a step with CPU offload ([Note: CPU offload in a
-    step]): shards, gradient shards, AdamW's states and the pinned allocations' rounding."""
-    if not offloads(config):
+    """What ``rank`` holds in host memory through a step with offload: with CPU offload ([Note:
+    CPU offload in a step]) shards, gradient shards, AdamW's states and the pinned allocations'
+    rounding; with the optimizer there ([Note: the optimizer on the host in a step]) fp32
+    masters, their gradients and AdamW's states."""
+    if not offloads_optimizer(config):
         return HostMemory(0.0, 0.0, 0.0, 0.0)
     shard_size = _shard_size(config, topology)
-    shards: list[float] = []
-    gradients: list[float] = []
-    for unit in model.units:
-        padded = padded_numels(unit, shard_size)
-        local = _local_numels(unit, shard_size, rank)
-        shards += [n / shard_size * PARAMETER_BYTES for n in padded]
-        gradients += [n * PARAMETER_BYTES for n, t in zip(local, unit.trainable) if t]
+    trainable = [n for unit in model.units for n in _trainable_numels(unit, shard_size, rank)]
+    if not offloads_shards(config):
+        masters = sum(trainable) * MASTER_BYTES
+        return HostMemory(parameters=masters, gradients=masters, optimizer=2 * masters, pinned_rounding=0.0)
+    shards = [n / shard_size * PARAMETER_BYTES for unit in model.units for n in padded_numels(unit, shard_size)]
+    gradients = [n * PARAMETER_BYTES for n in trainable]
     pinned = _pinned_rounding(shards + gradients) if config.offload_pin_memory else 0.0
     return HostMemory(parameters=sum(shards), gradients=sum(gradients), optimizer=2 * sum(gradients),
                       pinned_rounding=pinned)
 
 
-def copy_seconds(copies: UnitCopies, bytes_per_s: float) -> dict[str, float]:
-    """A unit's copies in seconds, by the collective whose chain they join ([Note: overlap])."""
-    return {"forward_gather": copies.to_device_forward / bytes_per_s,
-            "backward_gather": copies.to_device_backward / bytes_per_s,
-            "reduce": copies.to_host / bytes_per_s}
+def copy_seconds(copies: UnitCopies, config: ZeroPPConfig | None, bytes_per_s: float) -> dict[str, float]:
+    """A unit's copies in seconds, by when they run: with CPU offload beside the collective whose
+    chain they join ([Note: overlap]), with the optimizer on the host at the ``"step"``, after
+    backward."""
+    if offloads_shards(config):
+        return {"forward_gather": copies.to_device_forward / bytes_per_s,
+                "backward_gather": copies.to_device_backward / bytes_per_s,
+                "reduce": copies.to_host / bytes_per_s}
+    return {"step": (copies.to_host + copies.to_device_step) / bytes_per_s}

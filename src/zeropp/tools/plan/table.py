@@ -1,6 +1,7 @@
 """``zeropp plan``'s modes table: each mode's predicted step, memory and cross-node bytes, as
-text or JSON. With CPU offload the rows add host memory and the host-device copies, and the
-memory column is the device's ([Note: CPU offload in a step] in ``zeropp.tools.plan.offload``)."""
+text or JSON. With offload the rows add host memory and the host-device copies, and the memory
+column is the device's ([Note: CPU offload in a step] and [Note: the optimizer on the host in a
+step] in ``zeropp.tools.plan.offload``)."""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def mode_row(name: str, shape: ModelShape, config: ZeroPPConfig | None, topology
 def plan_record(shape: ModelShape, topology: Topology, workload: Workload, machine: Machine, modes: tuple[str, ...],
                 offload: str = "none", pin_memory: bool = True) -> dict[str, Any]:
     """Every mode's row, and what they were priced on; ``speedup_vs_zero3`` is against ZeRO-3
-    with the same offload."""
+    with the same offload. ``offload_pin_memory`` says whether the host memory priced is pinned:
+    ``pin_memory`` but with ``offload="optimizer"``, whose host tensors are pageable."""
     configs = mode_configs(modes, topology.ranks_per_node, offload, pin_memory)
     zero3 = mode_configs(("zero3",), topology.ranks_per_node, offload, pin_memory)["zero3"]
     baseline_s = step_time(shape, zero3, topology, workload, machine).step_s
@@ -59,7 +61,8 @@ def plan_record(shape: ModelShape, topology: Topology, workload: Workload, machi
             "num_nodes": topology.num_nodes, "gpus_per_node": topology.ranks_per_node, "machine": machine.name,
             "batch_per_gpu": workload.batch_per_rank, "context": workload.context_length,
             "activation_checkpointing": workload.activation_checkpointing, "offload": offload,
-            "offload_pin_memory": pin_memory, "host_device_bytes_per_s": machine.host_device_bytes_per_s,
+            "offload_pin_memory": pin_memory and offload != "optimizer",
+            "host_device_bytes_per_s": machine.host_device_bytes_per_s,
             "left_out": [name for name in modes if name not in configs and MODES[name].system is System.HSDP],
             "modes": [mode_row(name, shape, config, topology, workload, machine, baseline_s)
                       for name, config in configs.items()]}

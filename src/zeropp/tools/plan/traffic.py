@@ -14,7 +14,8 @@ rank's chunk of a unit is the sum of ``ceil(d0 / G) * rest`` over its parameters
 - qwZ: the gathers send each parameter's slice block-quantized (``zeropp.codes.codec``'s payload).
 - hpZ: the backward gather runs inside the node from the secondary copy: in full precision, or
   with qwZ as the payload rows the copy is kept as (each rank's world rows of the forward gather,
-  [Note: hpZ's copy as qwZ's codes] in ``zeropp.hpz``).
+  [Note: hpZ's copy as qwZ's codes] in ``zeropp.hpz``). A partition of the whole world (one node)
+  keeps no copy (``zeropp.topology``'s [Note: one node mesh]): the step is the mode's without hpZ.
 - qgZ: the reduce-scatter becomes two all-to-alls; a rank sends each node peer the N chunks it
   owes that peer's local index, then each remote node one chunk, never its own rows.
 - Every zeropp mode: one byte per parameter of each trainable unit, all-reduced in backward
@@ -125,20 +126,30 @@ def _quantized(unit: UnitShape, config: ZeroPPConfig) -> list[bool]:
             for trainable in unit.trainable]
 
 
+def keeps_secondary_copy(config: ZeroPPConfig | None, topology: Topology) -> bool:
+    """Whether hpZ keeps a secondary copy of each unit from its forward to its backward: over a
+    partition smaller than the world. A partition of the whole world is the primary shard itself,
+    so a run keeps no copy and gathers backward from the shard, as ZeRO-3 does (``zeropp.topology``'s
+    [Note: one node mesh]); ``config`` None (FSDP2's HSDP) has no hpZ."""
+    hpz = config.hpz_partition_size if config is not None else 1
+    return 1 < hpz < topology.world_size
+
+
 def keeps_codes(quantized: list[bool], config: ZeroPPConfig, topology: Topology) -> bool:
-    """Whether the unit's hpZ copy is kept as qwZ's payload rows: qwZ quantizes it and hpZ's group
-    is smaller than the world (a group of the whole world keeps no secondary copy)."""
-    return any(quantized) and 1 < config.hpz_partition_size < topology.world_size
+    """Whether the unit's hpZ copy is kept as qwZ's payload rows: qwZ quantizes it and hpZ keeps a
+    copy (``keeps_secondary_copy``)."""
+    return any(quantized) and keeps_secondary_copy(config, topology)
 
 
 def secondary_copy_bytes(unit: UnitShape, config: ZeroPPConfig | None, topology: Topology,
                          precision: Precision) -> float:
     """Bytes of one unit's hpZ secondary copy on a rank, held from its forward to its backward:
     its parameters over hpZ's group in the gather dtype, or with qwZ the world/hpZ payload rows
-    they are decoded from ([Note: hpZ's copy as qwZ's codes] in ``zeropp.hpz``); 0 without hpZ."""
-    hpz, world = (config.hpz_partition_size if config is not None else 1), topology.world_size
-    if hpz <= 1 or not unit.shapes:
+    they are decoded from ([Note: hpZ's copy as qwZ's codes] in ``zeropp.hpz``); 0 where hpZ keeps
+    none (``keeps_secondary_copy``)."""
+    if not keeps_secondary_copy(config, topology) or not unit.shapes:
         return 0.0
+    hpz, world = config.hpz_partition_size, topology.world_size
     padded = padded_numels(unit, world)
     quantized = _quantized(unit, config)
     if keeps_codes(quantized, config, topology):
@@ -146,24 +157,25 @@ def secondary_copy_bytes(unit: UnitShape, config: ZeroPPConfig | None, topology:
     return sum(padded) / hpz * precision.gather_dtype.itemsize
 
 
-def offloads(config: ZeroPPConfig | None) -> bool:
-    """Whether ``config`` keeps the shards on the host (``offload="cpu"``, FSDP2's
-    ``CPUOffloadPolicy``): every gather from a shard then starts with a host-to-device copy.
-    ``config`` None (FSDP2's HSDP) keeps them on the device."""
-    if config is None or config.offload == "none":
-        return False
-    if config.offload != "cpu":
-        raise ValueError(f"{config.key_of('offload')}={config.offload!r}: the cost model prices 'none' and 'cpu'")
-    return True
+def offloads_shards(config: ZeroPPConfig | None) -> bool:
+    """Whether ``config`` keeps the parameter shards on the host (``offload="cpu"``, FSDP2's
+    ``CPUOffloadPolicy``): every gather from a shard then starts with a host-to-device copy, and
+    each gradient shard goes to the host after its reduce-scatter. ``config`` None (FSDP2's HSDP)
+    keeps them on the device."""
+    return config is not None and config.offload == "cpu"
+
+
+def offloads_optimizer(config: ZeroPPConfig | None) -> bool:
+    """Whether the optimizer's state and step live on the host: with the shards (``offload="cpu"``)
+    or alone (``offload="optimizer"``, ``zeropp.offload.HostOptimizer``)."""
+    return config is not None and config.offload != "none"
 
 
 def backward_gathers_from_shard(config: ZeroPPConfig | None, topology: Topology) -> bool:
     """Whether a unit's backward all-gather starts from its primary shard, as forward's does:
-    in every mode but hpZ over a partition smaller than the world, whose secondary copy (made
-    on the device from forward's gathered weights) serves it. A partition of the whole world
-    keeps no copy (``zeropp.topology``)."""
-    hpz = config.hpz_partition_size if config is not None else 1
-    return not 1 < hpz < topology.world_size
+    in every mode but hpZ with a secondary copy (made on the device from forward's gathered
+    weights), which serves it instead (``keeps_secondary_copy``)."""
+    return not keeps_secondary_copy(config, topology)
 
 
 def _gathers(unit: UnitShape, padded: list[int], config: ZeroPPConfig, topology: Topology,
@@ -185,9 +197,9 @@ def _gathers(unit: UnitShape, padded: list[int], config: ZeroPPConfig, topology:
     else:
         world_hops = [world_gather.gather(GroupKind.WORLD, world, "")]
     forward = [replace(t, phase="forward") for t in world_hops]
-    hpz = config.hpz_partition_size
-    if hpz <= 1:
+    if not keeps_secondary_copy(config, topology):
         return [*forward, *(replace(t, phase="backward") for t in world_hops)]
+    hpz = config.hpz_partition_size
     if keeps_codes(quantized, config, topology):
         # the copy's rows, the world's chunks in the forward's payload, decoded after
         rows = world // hpz
@@ -199,8 +211,7 @@ def _gathers(unit: UnitShape, padded: list[int], config: ZeroPPConfig, topology:
         # qwZ's comm labels the full-precision node gather hpZ; FSDP2's own comm is "fsdp"
         node_gather = _Payload(sum(padded) // hpz * itemsize, "hpZ" if any(quantized) else "fsdp",
                                _dtype_name(precision.gather_dtype))
-    kind = GroupKind.WORLD if hpz == world else GroupKind.INTRA
-    return [*forward, node_gather.gather(kind, hpz, "backward")]
+    return [*forward, node_gather.gather(GroupKind.INTRA, hpz, "backward")]
 
 
 def _quantized_gather(padded: list[int], quantized: list[bool], group_size: int, config: ZeroPPConfig,
