@@ -38,6 +38,7 @@ from zeropp.codes.quant import (
     quantize_packed,
     set_kernel,
 )
+from zeropp.tools.check.machine import cpu_name
 
 BLOCK_SIZE = 256
 BITS = (8, 6, 5, 4, 3, 2)
@@ -54,11 +55,7 @@ def _device() -> torch.device:
 
 def _machine(device: torch.device) -> dict[str, Any]:
     """What the numbers were measured on."""
-    cpu = platform.processor()
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as cpuinfo:
-            names = [line.split(":", 1)[1].strip() for line in cpuinfo if "model name" in line]
-        cpu = names[0] if names else cpu
+    cpu = cpu_name()
     return {
         "torch": torch.__version__,
         "python": platform.python_version(),

@@ -26,10 +26,9 @@ import torch
 from zeropp.tools.check.ranks import run_ranks
 from zeropp.tools.check.record import Context, Record
 from zeropp.tools.check.report import parts_table, table
-from zeropp.tools.check.training import local_batch, median_ms, timed, tiny_gpt
+from zeropp.tools.check.training import ROWS_PER_RANK, median_ms, optimizer_step, run_steps, tiny_gpt
 
 TWO_BY_TWO = {"ZEROPP_RANKS_PER_NODE": "2"}
-ROWS_PER_RANK = 4
 STEPS = {"gpu": 10, "smoke": 3}
 ALL_THREE = {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}
 COMPILE_FIRST_LOSS_RTOL = 1e-4
@@ -51,39 +50,23 @@ def precision_rank(rank: int, world_size: int, device: str, precision: str, num_
               precision: {"enabled": True, **({"initial_scale_power": 8} if precision == "fp16" else {})},
               "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}}
     engine = zeropp.initialize(model=tiny_gpt().to(device), config=config)[0]
-    losses, times, skipped = [], [], 0
+    applied = []
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
         loss = engine(x, y)[1]
         engine.backward(loss)
         engine.step()
+        applied.append(engine.was_step_applied())
         return loss.item()
 
-    for index in range(num_steps):
-        loss, seconds = timed(lambda: step(*local_batch(index, ROWS_PER_RANK * world_size, rank, world_size, device)),
-                              device)
-        losses.append(loss)
-        times.append(seconds)
-        skipped += not engine.was_step_applied()
+    losses, times = run_steps(step, rank, world_size, device, num_steps)
+    skipped = applied.count(False)
     return {"losses": losses, "step_s": times, "skipped_steps": skipped, "loss_scale": engine.loss_scale}
 
 
 def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, world_size: int, device: str,
            num_steps: int) -> dict[str, Any]:
-    losses, times = [], []
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> float:
-        loss = model(x, y)[1]
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss.item()
-
-    for index in range(num_steps):
-        loss, seconds = timed(lambda: step(*local_batch(index, ROWS_PER_RANK * world_size, rank, world_size, device)),
-                              device)
-        losses.append(loss)
-        times.append(seconds)
+    losses, times = run_steps(optimizer_step(model, optimizer), rank, world_size, device, num_steps)
     return {"losses": losses, "step_s": times}
 
 

@@ -10,13 +10,19 @@ from typing import Any
 import torch
 
 
-def describe() -> dict[str, Any]:
-    """Versions, CPU and GPUs of this machine, as the results record them."""
-    cpu = platform.processor()
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as cpuinfo:
             names = [line.split(":", 1)[1].strip() for line in cpuinfo if "model name" in line]
-        cpu = names[0] if names else cpu
+        if names:
+            return names[0]
+    return platform.processor()
+
+
+def describe() -> dict[str, Any]:
+    """Versions, CPU and GPUs of this machine, as the results record them."""
+    cpu = cpu_name()
     return {
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

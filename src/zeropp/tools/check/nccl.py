@@ -16,11 +16,10 @@ from typing import Any
 from zeropp.tools.check.ranks import run_ranks
 from zeropp.tools.check.record import Context, Record
 from zeropp.tools.check.report import parts_table, table
-from zeropp.tools.check.training import local_batch, median_ms, timed, tiny_gpt
+from zeropp.tools.check.training import median_ms, optimizer_step, run_steps, tiny_gpt
 
 MODES_RUN = ("zero3", "qwz", "hpz", "qgz", "all")
 NUM_STEPS = 5
-ROWS_PER_RANK = 4
 LEAST_S = 15.0
 """Seconds the ranks need at least: NCCL's start on every GPU, five modes of five steps."""
 FIRST_LOSS_RTOL = {"zero3": 0.0, "hpz": 1e-5, "qgz": 1e-5, "qwz": 1e-2, "all": 1e-2}
@@ -43,20 +42,7 @@ def nccl_rank(rank: int, world_size: int, modes: tuple[str, ...], node_size: int
     for mode in modes:
         model = zeropp.shard(tiny_gpt().to(device), MODES[mode].config(node_size))
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        losses, times = [], []
-
-        def step(x: torch.Tensor, y: torch.Tensor) -> float:
-            loss = model(x, y)[1]
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            return loss.item()
-
-        for index in range(NUM_STEPS):
-            loss, seconds = timed(lambda: step(*local_batch(index, ROWS_PER_RANK * world_size, rank, world_size,
-                                                            device)), device)
-            losses.append(loss)
-            times.append(seconds)
+        losses, times = run_steps(optimizer_step(model, optimizer), rank, world_size, device, NUM_STEPS)
         out[mode] = {"losses": losses, "step_s": times}
     return out
 

@@ -13,6 +13,8 @@ from zeropp.tools.models import GPT, GPTConfig
 
 VOCAB = 37
 CONTEXT = 32
+ROWS_PER_RANK = 4
+"""Rows of each global batch a rank trains on."""
 T = TypeVar("T")
 
 
@@ -46,6 +48,29 @@ def timed(fn: Callable[[], T], device: str) -> tuple[T, float]:
     result = fn()
     synchronize(device)
     return result, time.perf_counter() - started
+
+
+def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Callable[..., float]:
+    """One training step of a plain loop on a batch (x, y): its loss."""
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = model(x, y)[1]
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.item()
+    return step
+
+
+def run_steps(step: Callable[[torch.Tensor, torch.Tensor], float], rank: int, world_size: int, device: str,
+              num_steps: int) -> tuple[list[float], list[float]]:
+    """``step`` on this rank's rows of ``num_steps`` global batches: the losses and each step's seconds."""
+    losses, times = [], []
+    for index in range(num_steps):
+        x, y = local_batch(index, ROWS_PER_RANK * world_size, rank, world_size, device)
+        loss, seconds = timed(lambda: step(x, y), device)
+        losses.append(loss)
+        times.append(seconds)
+    return losses, times
 
 
 def median_ms(seconds: list[float]) -> float:
