@@ -122,3 +122,21 @@ def train_on_corpus(config, num_steps: int, rank: int, world_size: int, batch_si
         val = [all_reduce_mean(model(*(t[local] for t in corpus.batch_at("val", i, 64, 32, seed)))[1], topology)
                for i in range(4)]
     return {"losses": losses, "ledger": summary, "steps": num_steps, "val_loss": sum(val) / len(val)}
+
+
+class TokenRows(torch.utils.data.Dataset):
+    """Learnable token rows for the Hugging Face tests: ``count`` arithmetic progressions mod
+    ``vocab`` of ``length`` tokens (a random start, a stride in 1..3), as ``input_ids`` and
+    ``labels`` (HF shifts them)."""
+
+    def __init__(self, vocab: int, length: int, count: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        start = torch.randint(0, vocab, (count, 1), generator=g)
+        stride = torch.randint(1, 4, (count, 1), generator=g)
+        self.rows = (start + stride * torch.arange(length)) % vocab
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
+from models import TokenRows
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -14,20 +15,9 @@ TWO_BY_TWO = {"ZEROPP_RANKS_PER_NODE": "2"}
 VOCAB, LENGTH, STEPS = 48, 16, 6
 
 
-class Sequences(torch.utils.data.Dataset):
-    """Learnable token rows: arithmetic progressions mod VOCAB (labels = inputs; HF shifts)."""
-
-    def __init__(self, count: int = 96) -> None:
-        g = torch.Generator().manual_seed(0)
-        start = torch.randint(0, VOCAB, (count, 1), generator=g)
-        stride = torch.randint(1, 4, (count, 1), generator=g)
-        self.rows = (start + stride * torch.arange(LENGTH)) % VOCAB
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+def Sequences(count: int = 96) -> TokenRows:
+    """Learnable token rows of the tiny Llama's vocabulary."""
+    return TokenRows(VOCAB, LENGTH, count)
 
 
 def tiny_llama(lora: bool) -> torch.nn.Module:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
+from models import TokenRows
 
 pytest.importorskip("transformers")
 
@@ -44,20 +45,9 @@ def ds_config(zeropp: bool, gather: bool = True) -> dict:
             "wall_clock_breakdown": False}
 
 
-class Rows(torch.utils.data.Dataset):
-    """Learnable token rows: arithmetic progressions mod VOCAB (labels = inputs; HF shifts)."""
-
-    def __init__(self, count: int = 64, seed: int = 0) -> None:
-        g = torch.Generator().manual_seed(seed)
-        start = torch.randint(0, VOCAB, (count, 1), generator=g)
-        stride = torch.randint(1, 4, (count, 1), generator=g)
-        self.rows = (start + stride * torch.arange(LENGTH)) % VOCAB
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+def Rows(count: int = 64, seed: int = 0) -> TokenRows:
+    """Learnable token rows of the tiny GPT-2's vocabulary."""
+    return TokenRows(VOCAB, LENGTH, count, seed)
 
 
 def tiny_gpt2(dropout: float = 0.1) -> torch.nn.Module:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
+from models import TokenRows
 
 pytest.importorskip("transformers")
 
@@ -103,17 +104,8 @@ def _tiny_llama() -> torch.nn.Module:
                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16))
 
 
-class _Rows(torch.utils.data.Dataset):
-    def __init__(self) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.rows = (torch.randint(0, 48, (64, 1), generator=g)
-                     + torch.randint(1, 4, (64, 1), generator=g) * torch.arange(16)) % 48
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+def _Rows() -> TokenRows:
+    return TokenRows(48, 16, 64)
 
 
 def _trainer(out_dir: str, zeropp_config=None, **overrides):
