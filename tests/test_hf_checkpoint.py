@@ -236,3 +236,37 @@ def test_a_checkpoint_of_4_ranks_resumes_on_2(tmp_path) -> None:
     assert sorted(resumed) == list(range(1, STEPS + 1))
     for step in range(SAVE_STEPS + 1, STEPS + 1):
         assert abs(resumed[step] - whole[step]) <= 1e-5 * whole[step], (step, whole, resumed)
+
+
+def _lora_save_worker(rank: int, world_size: int, out_dir: str) -> dict:
+    from transformers import TrainingArguments
+
+    from test_hf import Sequences, tiny_llama
+    from zeropp.hf import ZeroPPTrainer
+    from zeropp.tools.modes import MODES
+
+    model = tiny_llama(lora=True)
+    args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=2, max_steps=2, learning_rate=0.5,
+                             optim="sgd", report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
+    trainer = ZeroPPTrainer(model, args=args, train_dataset=Sequences(), zeropp_config=MODES["all"].config(2))
+    trainer.train()
+    trainer.save_model()
+    adapter = {n: p.detach().full_tensor() for n, p in model.named_parameters() if p.requires_grad}
+    return _as_arrays(adapter) if rank == 0 else {}
+
+
+@pytest.mark.slow
+def test_save_model_of_a_lora_model_writes_the_adapter_peft_loads(tmp_path) -> None:
+    """A PEFT LoRA model under ``ZeroPPTrainer`` (bf16 base, all three techniques): ``save_model``
+    writes the adapter as PEFT's ``save_pretrained`` does, gathered whole; ``PeftModel.from_pretrained``
+    on the same base in this process, without zeropp, holds exactly the trained adapter."""
+    from peft import PeftModel
+
+    from test_hf import tiny_llama
+
+    adapter = run_distributed(_lora_save_worker, 4, str(tmp_path), env=TWO_BY_TWO, timeout=300)[0]
+    assert adapter and (tmp_path / "adapter_config.json").is_file()
+    base = tiny_llama(lora=False).to(torch.bfloat16)
+    loaded = dict(PeftModel.from_pretrained(base, tmp_path).named_parameters())
+    for name, value in adapter.items():
+        assert torch.equal(loaded[name], torch.from_numpy(value)), name
