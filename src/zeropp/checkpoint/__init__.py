@@ -370,12 +370,14 @@ def _commit(directory: Path, staging: Path, tag: str) -> None:
 
 
 def save(directory: str | os.PathLike[str], tag: str, *, model: nn.Module,
-         optimizer: torch.optim.Optimizer | None, engine_state: dict[str, Any],
-         rank_state: dict[str, Any]) -> Path:
+         optimizer: torch.optim.Optimizer | None, engine_state: dict[str, Any] | None = None,
+         rank_state: dict[str, Any] | None = None) -> Path:
     """Save model and optimizer (DCP, sharded; the model alone when ``optimizer`` is None),
     ``engine_state`` (JSON, rank 0's) and each rank's ``rank_state`` (JSON) as ``directory/tag``,
     atomically (see [Note: atomic save]). Every rank must call it; the directory must be on a
     filesystem all ranks share."""
+    engine_state = {} if engine_state is None else engine_state
+    rank_state = {} if rank_state is None else rank_state
     check_tag(tag)
     directory = Path(directory)
     rank, world_size = dist.get_rank(), dist.get_world_size()
