@@ -259,3 +259,28 @@ def test_overlap_trains_bit_identically(options: dict) -> None:
         assert overlapped["finished_late"] > 0 and r["unfinished"] == 0
         if options.get("quantized_weights"):
             assert overlapped["decoded_on_wait"] > 0
+
+
+def _tensor_parallel_with_hpz(rank: int, world_size: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp_shard"])
+    try:
+        zeropp.enable(model, zeropp.ZeroPPConfig(quantized_weights=True, hpz_partition_size=2))
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_hpz_on_a_tensor_parallel_mesh_is_refused_at_set_up_not_in_forward() -> None:
+    """Tensor parallel inside the node, FSDP across (torchtitan's 2-D layout): FSDP2 cannot
+    reshard its DTensor parameters to hpZ's partition after forward (it raised
+    NotImplementedError in the first forward). ``enable`` refuses it, naming hpZ and what works."""
+    message = run_distributed(_tensor_parallel_with_hpz, 4, env={"ZEROPP_RANKS_PER_NODE": "2"})[0]
+    assert "hpz_partition_size=2" in message and "sharded over 2 of 4 ranks" in message, message
+    assert "hpz_partition_size=1" in message

@@ -239,6 +239,12 @@ def check_unit(unit: FSDPModule, config: ZeroPPConfig, topology: Topology, name:
             f"sharded over {layout.shard_group_size} (HSDP or a 2-D mesh): shard it with fully_shard(module, "
             f"mesh=<1-D world mesh>) or turn {config.key_of('quantized_gradients')} off")
     hpz, hpz_key = config.hpz_partition_size, config.key_of("hpz_partition_size")
+    if hpz > 1 and layout.padded_numels and layout.shard_group_size != topology.world_size:
+        raise ValueError(
+            f"{hpz_key}={hpz}, but {name} is sharded over {layout.shard_group_size} of {topology.world_size} ranks "
+            "(a 2-D mesh: tensor parallel x FSDP, or HSDP): hpZ's secondary partition needs units sharded over "
+            "the whole world, and FSDP2 cannot reshard a 2-D mesh's parameters to a node partition after forward. "
+            f"Set {hpz_key}=1 (qwZ works on this layout), or shard over a 1-D world mesh")
     if hpz > 1 and layout.padded_numels and layout.post_forward_group_size not in (hpz, layout.shard_group_size):
         raise ValueError(
             f"{hpz_key}={hpz}, but {name} was sharded with reshard_after_forward="
