@@ -82,6 +82,7 @@ def _as_arrays(tensors: dict[str, torch.Tensor]) -> dict:
 def _resume_worker(rank: int, world_size: int, out_dir: str, modes: list[str]) -> dict:
     from zeropp._fsdp import fsdp_units, offloads_to_cpu, unit_parameters
     from zeropp.hf import ZeroPPTrainer
+    from zeropp.integrations import hf_checkpoint
 
     results = {}
     for mode in modes:
@@ -99,12 +100,19 @@ def _resume_worker(rank: int, world_size: int, out_dir: str, modes: list[str]) -
             whole.model.eval()  # as from_pretrained returns it: no dropout
             with torch.no_grad():
                 logits = whole.model(Rows(4, seed=1).rows).logits.numpy()
+        reloaded = ZeroPPTrainer(tiny_gpt2(), args=_arguments(f"{out_dir}/{mode}/reloaded", config_file)).model
+        hf_checkpoint.load_weights(reloaded, f"{out_dir}/{mode}/whole")  # the save_model directory: full weights
+        unequal = torch.tensor(sum(not torch.equal(a.detach().to_local(), b.detach().to_local())
+                                   for a, b in zip(reloaded.parameters(), whole.model.parameters())))
+        torch.distributed.all_reduce(unequal)  # every rank's shards
+        reloaded_equal = unequal.item() == 0
         resumed = ZeroPPTrainer(tiny_gpt2(), args=_arguments(f"{out_dir}/{mode}/resumed", config_file),
                                 train_dataset=Rows())
         resumed.train(resume_from_checkpoint=f"{out_dir}/{mode}/whole/checkpoint-{SAVE_STEPS}")
         full = _as_arrays({n: p.detach().full_tensor() for n, p in whole.model.named_parameters()})
         units = [u for u in fsdp_units(resumed.model) if unit_parameters(u)]
         results[mode] = {"whole": _losses(whole), "resumed": _losses(resumed), "logits": logits,
+                         "reloaded_equal": reloaded_equal,
                          "offloaded": bool(units) and all(map(offloads_to_cpu, units)),
                          "params": full if rank == 0 else None,
                          "checkpoints": sorted(os.listdir(f"{out_dir}/{mode}/whole"))}
@@ -127,6 +135,7 @@ def test_trainer_checkpoints_at_its_default_strategy_and_a_second_job_resumes_wi
     for mode, result in results.items():
         whole, resumed = result["whole"], result["resumed"]
         assert result["offloaded"]  # the stock file's offload sections: FSDP2's CPU offload on every unit
+        assert result["reloaded_equal"]  # save_model's files loaded back into a fresh sharded model, every rank
         assert sorted(whole) == list(range(1, STEPS + 1)), whole
         assert sorted(resumed) == list(range(1, STEPS + 1)), resumed  # 1-3 from the checkpoint's trainer state
         for step in resumed:

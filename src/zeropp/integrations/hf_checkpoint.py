@@ -36,7 +36,13 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from zeropp import checkpoint
-from zeropp.checkpoint.full import DEFAULT_MAX_SHARD_BYTES, SAFETENSORS_NAME, save_full_weights, tied_names
+from zeropp.checkpoint.full import (
+    DEFAULT_MAX_SHARD_BYTES,
+    INDEX_SUFFIX,
+    SAFETENSORS_NAME,
+    save_full_weights,
+    tied_names,
+)
 
 logger = logging.getLogger("zeropp")
 
@@ -97,8 +103,8 @@ def _save_peft_adapter(model: nn.Module, output_dir: Path) -> None:
     ``save_pretrained``, which keeps the adapter's entries and writes its config."""
     from torch.distributed.tensor import DTensor
 
-    state = {name: value for name, value in model.state_dict().items()
-             if name in {n for n, p in model.named_parameters() if p.requires_grad}}
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    state = {name: value for name, value in model.state_dict().items() if name in trainable}
     full = {name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
             for name, value in state.items()}
     if _is_writer():
@@ -133,15 +139,21 @@ def load_weights(model: nn.Module, directory: str | os.PathLike[str],
     _load_full_weights(model, Path(directory))
 
 
+def _full_weight_files(directory: Path) -> list[str]:
+    """The safetensors files of a ``save_model`` directory (its shards by their index), or []."""
+    index = directory / (SAFETENSORS_NAME + INDEX_SUFFIX)
+    if index.is_file():
+        return sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+    return [SAFETENSORS_NAME] if (directory / SAFETENSORS_NAME).is_file() else []
+
+
 def _load_full_weights(model: nn.Module, directory: Path) -> None:
+    """Every rank reads the whole model from the files and keeps its shards (DCP's
+    ``set_model_state_dict`` with a full state dict)."""
     from safetensors.torch import load_file
 
-    index = directory / (SAFETENSORS_NAME + ".index.json")
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-    elif (directory / SAFETENSORS_NAME).is_file():
-        files = [SAFETENSORS_NAME]
-    else:
+    files = _full_weight_files(directory)
+    if not files:
         raise checkpoint.CheckpointError(f"{directory} holds neither a zeropp checkpoint ({SHARDED_TAG}/) nor "
                                          f"{SAFETENSORS_NAME} (or its index): no model state to load")
     full: dict[str, torch.Tensor] = {}
@@ -163,8 +175,7 @@ def is_complete(directory: Path) -> bool:
         json.loads((directory / TRAINER_STATE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return has_sharded(directory) or (directory / SAFETENSORS_NAME).is_file() or (
-        directory / (SAFETENSORS_NAME + ".index.json")).is_file()
+    return has_sharded(directory) or bool(_full_weight_files(directory))
 
 
 def last_complete_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
