@@ -1,5 +1,5 @@
-"""Stopping what a section started: the runner stops a section's whole session (the section
-starts its own commands in process groups of their own, inside that session), a section stops
+"""Stopping what a section started: the runner stops every process under a section's setsid (the
+section starts its own commands in process groups of their own, under that sid), a section stops
 one command's group."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 
-def kill_session(session_id: int) -> None:
-    """SIGKILL every process of the session ``session_id`` (Linux: read from ``/proc``)."""
+def kill_sid(sid: int) -> None:
+    """SIGKILL every process whose ``os.getsid`` is ``sid`` (Linux: read from ``/proc``)."""
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if os.getsid(int(entry.name)) == session_id:
+                if os.getsid(int(entry.name)) == sid:
                     os.kill(int(entry.name), signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 continue

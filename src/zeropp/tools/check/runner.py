@@ -2,7 +2,7 @@
 budget (``zeropp.tools.check.budget``), progress printed as parts finish, and every result in
 one folder: ``results.json``, ``results.md`` and each section's log under ``logs/``.
 
-A section's process starts a session of its own, so stopping it stops what it started too (the
+A section's process is started with setsid, so stopping it stops what it started too (the
 ranks it spawned, pytest's ranks): nothing of a stopped section keeps the GPU busy.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import zeropp
 from zeropp.tools.check import budget, report
-from zeropp.tools.check.processes import kill_session
+from zeropp.tools.check.processes import kill_sid
 from zeropp.tools.check.record import Context, read_parts
 from zeropp.tools.check.sections import SECTIONS, Section
 
@@ -77,7 +77,7 @@ class Runner:
                 "passed": None, "parts": {}}
 
     def _run_section(self, section: Section, allotted: float) -> dict[str, Any]:
-        """Run ``section`` in its own process and session; stop it when ``allotted`` is spent."""
+        """Run ``section`` in its own process (setsid); stop it when ``allotted`` is spent."""
         folder = self.out / section.name
         folder.mkdir(parents=True, exist_ok=True)
         record_path = folder / "record.json"
@@ -107,7 +107,7 @@ class Runner:
         return entry
 
     def _wait(self, process: subprocess.Popen, name: str, record_path: Path, stop_at: float) -> bool:
-        """Wait for ``process`` and print its parts as they finish; stop its session at
+        """Wait for ``process`` and print its parts as they finish; stop its processes at
         ``stop_at`` (seconds since the start). True when it was stopped."""
         shown: set[str] = set()
         while True:
@@ -121,7 +121,7 @@ class Runner:
                     shown.add(part)
                     self.say(f"{name} | {part}: {report.part_outcome(entry)} ({entry['elapsed_s']:.1f} s)")
             if finished or self.elapsed() >= stop_at:
-                stop_session(process)
+                stop_tree(process)
                 return not finished
 
     def _write(self) -> None:
@@ -129,10 +129,10 @@ class Runner:
         (self.out / "results.md").write_text(report.markdown(self.results))
 
 
-def stop_session(process: subprocess.Popen) -> None:
-    """Kill every process of ``process``'s session: itself if it still runs, and whatever it
+def stop_tree(process: subprocess.Popen) -> None:
+    """Kill every process under ``process``'s sid: itself if it still runs, and whatever it
     left behind (a multiprocessing fork server, ranks, pytest and its ranks)."""
-    kill_session(process.pid)
+    kill_sid(process.pid)
     process.wait()
 
 
