@@ -151,6 +151,7 @@ _ZEROPP_CHECKS: dict[str, Checker] = {
     "hpz_partition_size": _POSITIVE_INT,
     "block_size": _BLOCK_SIZE,
     "grad_block_size": _optional(_BLOCK_SIZE),
+    "grad_slice_bytes": _optional(_POSITIVE_INT),
     "weight_bits": _WEIGHT_BITS,
     "weight_code": _WEIGHT_CODE,
     "unquantized_parameters": _PATTERNS,
@@ -232,6 +233,11 @@ class ZeroPPConfig(_KeyedConfig):
     blocks, so ``grad_block_size=64`` costs 4.156 bits per element at INT4 where blocks of 256
     with fp32 scales cost 4.125 (+0.8%), with a quarter of the elements per scale. See
     zeropp.codes.gradcode [Note: grouped scales]."""
+    grad_slice_bytes: int | None = None
+    """qgZ: run both hops over column slices of each unit's gradients, each slice's fp32 rows (all
+    ranks' rows of its columns) at most this many bytes, so that the coding buffers, payloads and
+    decoded rows are a slice's, not the unit's; the gradients are bit for bit the same. None: one
+    slice. See zeropp.qgz [Note: qgZ slices]."""
     overlap: bool = False
     """Run communication beside compute where FSDP2 has no streams to do it (gloo on CPU): each
     unit gathers the next ones while it computes (FSDP2's explicit prefetching, asynchronous
@@ -541,7 +547,8 @@ _DEEPSPEED_KEYS: dict[str, tuple[str, str]] = {
         "block_size", "weight_bits", "weight_code", "unquantized_parameters", "grad_full_precision_parameters",
         "grad_full_precision_below", "grad_bits_intra", "grad_bits_inter",
         "quantize_intra_node_weights", "error_feedback", "low_bit_trainable_weights", "grad_rotation",
-        "grad_rounding", "grad_levels", "grad_block_size", "grad_scale_bits", "overlap", "hierarchical_gather")},
+        "grad_rounding", "grad_levels", "grad_block_size", "grad_scale_bits", "overlap", "hierarchical_gather",
+        "grad_slice_bytes")},
     "bf16.enabled": ("training", "bf16"),
     "fp16.enabled": ("training", "fp16"),
     **{f"fp16.{name}": ("training", name) for name in (

@@ -11,6 +11,7 @@ by its factor (``comms`` [Note: the reductions FSDP2 asks for]).
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import functools
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from zeropp.codes.codec import ChunkCodec, segments_for
+from zeropp.codes.codec import ChunkCodec, Segment, segments_for
 from zeropp.codes.gradcode import GradientCode
 from zeropp.comms import LateReduceScatter, Reduction, all_to_all, nbytes, reduction_of
 from zeropp.ledger import CommLedger
@@ -121,7 +122,7 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
     def __init__(self, groups: ProcessGroups, padded_numels: list[int], *, bits_intra: int,
                  bits_inter: int, block_size: int, error_feedback: bool = False,
                  code: GradientCode | None = None, seed: int = 0, full_precision: Sequence[bool] | None = None,
-                 ledger: CommLedger | None = None) -> None:
+                 slice_bytes: int | None = None, ledger: CommLedger | None = None) -> None:
         super().__init__(groups.topology, ledger)
         self.groups = groups
         self.padded_numels = padded_numels
@@ -136,9 +137,13 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
         self.code = code if code is not None else GradientCode()
         self.seed = seed
         """Seeds stochastic rounding's uniforms, with the rank and hop ([Note: stochastic rounding])."""
+        self.slice_bytes = slice_bytes
+        """Bound on one slice's fp32 rows (all ranks' rows of its columns); None: one slice
+        ([Note: qgZ slices])."""
         self._residuals: dict[int, torch.Tensor] = {}  # hop -> fp32 quantization residual
         self._generators: dict[int, torch.Generator] = {}  # hop -> uniforms of stochastic rounding
         self._codecs: dict[tuple[int, int], ChunkCodec] = {}
+        self._slices: dict[int, list[_Slice]] = {}
         self._routes: dict[tuple, _Route] = {}
 
     def codec(self, chunk_numel: int, bits: int) -> ChunkCodec:
@@ -181,50 +186,99 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
             raise ValueError(f"qgZ reduce-scatter runs on the world ({topology.world_size} ranks), "
                              f"got a group of {group.size()}")
         reduction = reduction_of(op)
-        num_nodes, ranks_per_node = topology.num_nodes, topology.ranks_per_node
         chunk_numel = output_tensor.numel()
-        chunks = input_tensor.view(num_nodes, ranks_per_node, chunk_numel)
-        if ranks_per_node > 1:
-            partial = self._intra_node_hop(chunks, chunk_numel)  # (N, S) fp32
-        else:
-            partial = chunks[:, 0].float()
-        if num_nodes == 1:
-            self.complete(functools.partial(self._write, partial[0], output_tensor, reduction), False)
+        rows = input_tensor.view(topology.world_size, chunk_numel)
+        if topology.num_nodes > 1 and self.finishes_late(output_tensor, op):
+            # hop 2 crosses nodes: with ``overlap`` it may finish later ([Note: late reduce-scatter]), whole
+            whole = self.slices(chunk_numel, whole=True)[0]
+            exchange = self._send(self._intra_node_hop(rows, whole), whole.inter, 2, self.groups.inter_node_group,
+                                  async_op=True)
+            self.complete(functools.partial(self._finish_inter_node_hop, exchange, output_tensor, reduction), True)
             return None
-        # hop 2 crosses nodes: with ``overlap`` it may finish later ([Note: late reduce-scatter])
-        late = self.finishes_late(output_tensor, op)
-        exchange = self._send(partial, self.codec(chunk_numel, self.bits_inter), 2, self.groups.inter_node_group,
-                              async_op=late)
-        self.complete(functools.partial(self._finish_inter_node_hop, exchange, output_tensor, reduction), late)
+        def reduce_every_slice() -> None:
+            for piece in self.slices(chunk_numel):
+                self._reduce_slice(rows, piece, output_tensor.view(-1), reduction)
+
+        self.complete(reduce_every_slice, False)
         return None
+
+    def slices(self, chunk_numel: int, whole: bool = False) -> list[_Slice]:
+        """[Note: qgZ slices]
+        Both hops run over column slices of the chunk: for each slice, hop 1 codes the slice of
+        every row bound for another rank, exchanges, decodes and sums it into the slice of the
+        partial sums, then hop 2 does the same with those, and the slice's output is written. The
+        temporaries (the rows copied out for coding, the payloads, the decoded rows) are the
+        slice's, not the chunk's. A slice starts where a block starts (a group of blocks, with
+        grouped scales) within each parameter's segment, so every block is the one the unsliced
+        call codes, and each element is summed in the same order: the output is bit for bit the
+        unsliced one. Stochastic rounding draws its uniforms in one stream per hop, so it runs in
+        one slice (as does a call that may finish late, ``overlap``), as do units whose rows fit
+        the bound."""
+        if whole or self.slice_bytes is None or self.code.rounding == "stochastic":
+            return [self._whole(chunk_numel)]
+        if chunk_numel not in self._slices:
+            max_numel = max(1, self.slice_bytes // (4 * self.topology.world_size))
+            intra, inter = (self.codec(chunk_numel, bits) for bits in (self.bits_intra, self.bits_inter))
+            pieces = _cut(intra.segments, self.block_size, max_numel)
+            self._slices[chunk_numel] = [
+                _Slice(columns, *(ChunkCodec([_with_numel(s, n) for s, n in zip(codec.segments, counts) if n],
+                                             self.block_size, torch.float32, self.code) for codec in (intra, inter)))
+                for columns, counts in pieces]
+        return self._slices[chunk_numel]
+
+    def _whole(self, chunk_numel: int) -> _Slice:
+        codecs = (self.codec(chunk_numel, bits) for bits in (self.bits_intra, self.bits_inter))
+        return _Slice((0, chunk_numel), *codecs)
+
+    def _reduce_slice(self, rows: torch.Tensor, piece: _Slice, out: torch.Tensor, reduction: Reduction) -> None:
+        """Both hops over one slice of columns, and its output ([Note: qgZ slices])."""
+        start, stop = piece.columns
+        partial = self._intra_node_hop(rows, piece)
+        if self.topology.num_nodes > 1:
+            exchange = self._send(partial, piece.inter, 2, self.groups.inter_node_group,
+                                  columns=piece.columns, chunk_numel=rows.shape[1])
+            partial = self._received(exchange)
+        self._write(partial.sum(dim=0), out[start:stop], reduction)
 
     def _finish_inter_node_hop(self, exchange: _Exchange, output_tensor: torch.Tensor,
                                reduction: Reduction) -> None:
         """Hop 2's end: sum the N partials received into this rank's chunk."""
-        self._write(self._received(exchange).sum(dim=0), output_tensor, reduction)
+        self._write(self._received(exchange).sum(dim=0), output_tensor.view(-1), reduction)
 
     def _write(self, total: torch.Tensor, output_tensor: torch.Tensor, reduction: Reduction) -> None:
         """The fp32 ``total`` reduced as asked (AVG divides by the world size, PREMUL_SUM
         multiplies by its factor), in the output's dtype."""
         output_tensor.copy_(reduction.apply(total, self.topology.world_size))
 
-    def _with_residual(self, hop: int, x: torch.Tensor) -> torch.Tensor:
+    def _residual(self, hop: int, num_rows: int, chunk_numel: int, device: torch.device,
+                  create: bool = False) -> torch.Tensor | None:
+        """The hop's residual over all its rows and the whole chunk (its slices are columns of it)."""
         residual = self._residuals.get(hop)
-        if residual is None or residual.shape != x.shape:
+        if residual is not None and residual.shape == (num_rows, chunk_numel):
+            return residual
+        if not create:
+            return None
+        self._residuals[hop] = torch.zeros((num_rows, chunk_numel), dtype=torch.float32, device=device)
+        return self._residuals[hop]
+
+    def _with_residual(self, hop: int, x: torch.Tensor, columns: tuple[int, int], chunk_numel: int) -> torch.Tensor:
+        residual = self._residual(hop, x.shape[0], chunk_numel, x.device)
+        if residual is None:
             return x
-        return x.float() + residual
+        return x.float() + residual[:, columns[0]:columns[1]]
 
     def _keep_residual(self, hop: int, x: torch.Tensor, sent: torch.Tensor, packed: torch.Tensor,
-                       codec: ChunkCodec) -> None:
+                       codec: ChunkCodec, columns: tuple[int, int], chunk_numel: int) -> None:
         """Error feedback: remember what quantization lost on the rows ``sent`` (indices into
-        ``x``), to add it before the next call; the rows kept are exact, their residual zero."""
+        ``x``, the slice ``columns`` of the chunk), to add it before the next call; the rows kept
+        are exact, their residual zero."""
         decoded = torch.empty((len(sent), x.shape[1]), dtype=torch.float32, device=x.device)
         codec.decode(packed, decoded)
         lost = x[sent].float() - decoded
-        residual = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        residual = self._residual(hop, x.shape[0], chunk_numel, x.device, create=True)[:, columns[0]:columns[1]]
+        residual.zero_()
         if bool(lost.isfinite().all()):
             residual[sent] = lost
-        self._residuals[hop] = residual
 
     def _route(self, num_rows: int, group: dist.ProcessGroup, remap: bool, device: torch.device) -> _Route:
         """Which rows this rank keeps and sends in a hop, planned once per shape and group."""
@@ -241,7 +295,8 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
         return self._routes[key]
 
     def _send(self, rows: torch.Tensor, codec: ChunkCodec, hop: int, group: dist.ProcessGroup,
-              remap: bool = False, async_op: bool = False) -> _Exchange:
+              remap: bool = False, async_op: bool = False, columns: tuple[int, int] | None = None,
+              chunk_numel: int | None = None) -> _Exchange:
         """Start sending ``rows`` (k, S) to the group's ranks (k / size rows each, in the order of
         [Note: qgZ remap] with ``remap``); ``_received`` gives what each rank sent.
 
@@ -249,14 +304,16 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
         in fp32 and never enters the collective, which sends it nothing (see [Note: qgZ own rows]).
         """
         route = self._route(rows.shape[0], group, remap, rows.device)
+        if columns is None:  # the rows are whole chunks
+            columns, chunk_numel = (0, rows.shape[1]), rows.shape[1]
         if rows.dtype != torch.float32 and any(segment.bits is None for segment in codec.segments):
             rows = rows.float()  # spared gradients travel in fp32 ([Note: full-precision gradients])
         if self.error_feedback:
-            rows = self._with_residual(hop, rows)
+            rows = self._with_residual(hop, rows, columns, chunk_numel)
         packed = torch.empty((len(route.sent), codec.nbytes), dtype=torch.uint8, device=rows.device)
         codec.encode(rows.index_select(0, route.sent), packed, self._generator(hop, rows.device))
         if self.error_feedback:
-            self._keep_residual(hop, rows, route.sent, packed, codec)
+            self._keep_residual(hop, rows, route.sent, packed, codec, columns, chunk_numel)
         received = torch.empty_like(packed)
         work = all_to_all(received.view(-1), packed.view(-1), route.split_bytes(codec.nbytes),
                           group, self.recorder, self.technique, dtype=_payload_dtype(codec),
@@ -277,13 +334,56 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
         decoded[before:after] = exchange.own
         return decoded
 
-    def _intra_node_hop(self, chunks: torch.Tensor, chunk_numel: int) -> torch.Tensor:
-        """Hop 1: (N, D, S) chunks; local rank d gets rows [:, d] from each node peer; sum them."""
-        num_nodes, ranks_per_node = chunks.shape[:2]
-        codec = self.codec(chunk_numel, self.bits_intra)
-        rows = chunks.reshape(num_nodes * ranks_per_node, chunk_numel)
-        decoded = self._received(self._send(rows, codec, 1, self.groups.intra_node_group, remap=True))
-        return decoded.view(ranks_per_node, num_nodes, chunk_numel).sum(dim=0)
+    def _intra_node_hop(self, rows: torch.Tensor, piece: _Slice) -> torch.Tensor:
+        """Hop 1 over a slice of the (W, S) rows (row n*D + d owed to rank n*D + d): local rank d
+        gets rows [:, d] from each node peer and sums them: the (N, s) partials, in fp32."""
+        num_nodes, ranks_per_node = self.topology.num_nodes, self.topology.ranks_per_node
+        start, stop = piece.columns
+        columns = rows[:, start:stop]
+        if ranks_per_node == 1:
+            return columns.float()
+        decoded = self._received(self._send(columns, piece.intra, 1, self.groups.intra_node_group, remap=True,
+                                            columns=piece.columns, chunk_numel=rows.shape[1]))
+        return decoded.view(ranks_per_node, num_nodes, stop - start).sum(dim=0)
+
+
+@dataclass(frozen=True)
+class _Slice:
+    """Columns ``[start, stop)`` of a chunk and each hop's codec for them ([Note: qgZ slices])."""
+
+    columns: tuple[int, int]
+    intra: ChunkCodec
+    inter: ChunkCodec
+
+
+def _with_numel(segment: Segment, numel: int) -> Segment:
+    return dataclasses.replace(segment, numel=numel)
+
+
+def _cut(segments: Sequence[Segment], block_size: int, max_numel: int) -> list[tuple[tuple[int, int], list[int]]]:
+    """Split a chunk's columns into slices of at most ``max_numel`` (at least one block, or group
+    of blocks, each), each cut where a block (group) of a segment starts: per slice its columns
+    and how many elements of each segment it holds."""
+    pieces: list[tuple[tuple[int, int], list[int]]] = []
+    counts, start, size = [0] * len(segments), 0, 0
+    for index, segment in enumerate(segments):
+        unit = 1 if segment.bits is None else block_size * segment.blocks_per_scale
+        left = segment.numel
+        while left:
+            room = max(0, max_numel - size)
+            take = left if left <= room else room // unit * unit
+            if take == 0 and size == 0:
+                take = min(left, unit)  # one block (group) larger than the bound: a slice of its own
+            if take == 0:
+                pieces.append(((start, start + size), counts))
+                counts, start, size = [0] * len(segments), start + size, 0
+                continue
+            counts[index] += take
+            size += take
+            left -= take
+    if size or not pieces:
+        pieces.append(((start, start + size), counts))
+    return pieces
 
 
 def _payload_dtype(codec: ChunkCodec) -> str:

@@ -317,7 +317,7 @@ def _install_comms(module: FSDPModule, groups: ProcessGroups, config: ZeroPPConf
         reduce_scatter = HierarchicalQuantizedReduceScatter(
             groups, trainable, bits_intra=config.grad_bits_intra, bits_inter=config.grad_bits_inter,
             block_size=config.gradient_block_size, error_feedback=config.error_feedback, code=config.gradient_code,
-            full_precision=spared)
+            full_precision=spared, slice_bytes=config.grad_slice_bytes)
     else:
         reduce_scatter = CountingReduceScatter(groups.topology)
     if config.overlap:
