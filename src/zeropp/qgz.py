@@ -195,6 +195,7 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
                                   async_op=True)
             self.complete(functools.partial(self._finish_inter_node_hop, exchange, output_tensor, reduction), True)
             return None
+
         def reduce_every_slice() -> None:
             for piece in self.slices(chunk_numel):
                 self._reduce_slice(rows, piece, output_tensor.view(-1), reduction)
