@@ -69,12 +69,12 @@ def _machine(device: torch.device) -> dict[str, Any]:
     }
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+def median_seconds(fn: Callable[[], object], repeats: int, device: torch.device, cuda_inner: int = CUDA_INNER) -> float:
     """Median wall time of ``fn`` over ``repeats`` runs, after one warm-up run. On CUDA each
-    run is ``CUDA_INNER`` back-to-back calls between two synchronizations (a single kernel on a
+    run is ``cuda_inner`` back-to-back calls between two synchronizations (a single kernel on a
     small tensor takes microseconds, under the timer's resolution), divided by their number."""
     fn()
-    inner = CUDA_INNER if device.type == "cuda" else 1
+    inner = cuda_inner if device.type == "cuda" else 1
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
@@ -150,8 +150,8 @@ def _throughput_rows(
     x = torch.randn(numel, device=device).to(dtype)
     nbytes = numel * x.element_size()
     decoded = torch.empty_like(x)
-    clone_s = _median_seconds(lambda: torch.clone(x), repeats, device)
-    copy_s = _median_seconds(lambda: decoded.copy_(x), repeats, device)
+    clone_s = median_seconds(lambda: torch.clone(x), repeats, device)
+    copy_s = median_seconds(lambda: decoded.copy_(x), repeats, device)
     rows = []
     for kernel in _kernels(device, dtype):
         previous = set_kernel(kernel if kernel in ("triton", "native") else "torch")
@@ -161,8 +161,8 @@ def _throughput_rows(
                 num_bytes = packed_numel(numel, bits, BLOCK_SIZE)
                 packed = torch.empty(num_bytes, dtype=torch.uint8, device=device)
                 encode, decode, first_call_s = _coders(kernel, x, bits, packed, decoded)
-                quantize_s = _median_seconds(encode, repeats, device)
-                dequantize_s = _median_seconds(decode, repeats, device)
+                quantize_s = median_seconds(encode, repeats, device)
+                dequantize_s = median_seconds(decode, repeats, device)
                 rows.append({
                     "numel": numel,
                     "dtype": str(dtype).removeprefix("torch."),
@@ -211,9 +211,9 @@ def _chunk_rows(repeats: int) -> list[dict[str, Any]]:
                 ("per_segment", "torch", codec.encode_segments, codec.decode_segments)):
             previous = set_kernel(kernel)
             try:
-                times[f"{path}_encode_ms"] = 1e3 * _median_seconds(lambda: encode(chunks[:1], packed[:1]), repeats,
+                times[f"{path}_encode_ms"] = 1e3 * median_seconds(lambda: encode(chunks[:1], packed[:1]), repeats,
                                                                    chunks.device)
-                times[f"{path}_decode_ms"] = 1e3 * _median_seconds(lambda: decode(packed, decoded), repeats,
+                times[f"{path}_decode_ms"] = 1e3 * median_seconds(lambda: decode(packed, decoded), repeats,
                                                                    chunks.device)
             finally:
                 set_kernel(previous)

@@ -16,8 +16,6 @@ the same error).
 from __future__ import annotations
 
 import math
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +25,7 @@ import torch
 from zeropp.codes import native, quant, quant_triton
 from zeropp.codes.codec import ChunkCodec, segments_for
 from zeropp.codes.gradcode import GradientCode
+from zeropp.tools.bench.quant import median_seconds
 from zeropp.tools.check.record import Context, Record
 from zeropp.tools.check.report import parts_table, table
 
@@ -69,19 +68,8 @@ def paths(code: Code, bits: int, chunk: torch.Tensor) -> tuple[str, ...]:
 
 
 def seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median seconds of one call of ``fn``, after a warm-up call."""
-    fn()
-    inner, times = INNER[device.type], []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - started) / inner)
-    return statistics.median(times)
+    """Median seconds of one call of ``fn``, after a warm-up call (the codec benchmark's timer)."""
+    return median_seconds(fn, repeats, device, cuda_inner=INNER["cuda"])
 
 
 def measure(name: str, code: Code, bits: int, path: str, chunk: torch.Tensor, repeats: int) -> dict[str, Any]:
