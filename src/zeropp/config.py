@@ -233,11 +233,13 @@ class ZeroPPConfig(_KeyedConfig):
     blocks, so ``grad_block_size=64`` costs 4.156 bits per element at INT4 where blocks of 256
     with fp32 scales cost 4.125 (+0.8%), with a quarter of the elements per scale. See
     zeropp.codes.gradcode [Note: grouped scales]."""
-    grad_slice_bytes: int | None = None
+    grad_slice_bytes: int | None = 64 * 2**20
     """qgZ: run both hops over column slices of each unit's gradients, each slice's fp32 rows (all
     ranks' rows of its columns) at most this many bytes, so that the coding buffers, payloads and
     decoded rows are a slice's, not the unit's; the gradients are bit for bit the same. None: one
-    slice. See zeropp.qgz [Note: qgZ slices]."""
+    slice. The default keeps qgZ's peak within 1% of ZeRO-3's at Llama-3-8B's shapes on 64 and 384
+    ranks (docs/results.md, "qgZ's memory") while each slice's all-to-all still moves megabytes.
+    See zeropp.qgz [Note: qgZ slices]."""
     overlap: bool = False
     """Run communication beside compute where FSDP2 has no streams to do it (gloo on CPU): each
     unit gathers the next ones while it computes (FSDP2's explicit prefetching, asynchronous

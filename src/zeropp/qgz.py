@@ -44,22 +44,36 @@ def intra_node_send_order(num_nodes: int, ranks_per_node: int) -> torch.Tensor:
 
 @dataclass(frozen=True, eq=False)
 class _Route:
-    """One hop's rows: those this rank keeps (``own``, slots ``own_start:own_stop`` of the
-    result) and those it sends (``sent``, in the order of the peers), and how many rows each
-    peer sends it. Built once per shape and group: its index tensors and per-peer lists grow
-    with the group (512 peers on the inter-node hop of 4,096 ranks), a call only reads them."""
+    """One hop's rows among the group's ``size`` ranks: ``per_peer`` rows owed to each, this rank
+    (``me``) keeping its own; with ``remap`` the rows owed to local rank d are rows d, D + d, ...
+    ([Note: qgZ remap]), otherwise the ``per_peer`` consecutive rows at d * per_peer."""
 
-    own: torch.Tensor
-    sent: torch.Tensor
-    own_start: int
-    own_stop: int
-    rows_from: list[int]
+    size: int
+    me: int
+    per_peer: int
+    remap: bool
     _split_bytes: dict[int, list[int]] = field(default_factory=dict)
+
+    @property
+    def peers(self) -> range:
+        return range(self.size)
+
+    def rows_of(self, rows: torch.Tensor, peer: int) -> torch.Tensor:
+        """The (per_peer, s) rows of ``rows`` owed to ``peer``: a view, never a copy."""
+        if self.remap:
+            return rows.view(self.per_peer, self.size, rows.shape[1])[:, peer]
+        return rows[peer * self.per_peer:(peer + 1) * self.per_peer]
+
+    def slot(self, peer: int) -> slice:
+        """The packed rows to or from ``peer`` in the exchange's buffers, which hold no rows for this rank."""
+        index = peer if peer < self.me else peer - 1
+        return slice(index * self.per_peer, (index + 1) * self.per_peer)
 
     def split_bytes(self, row_bytes: int) -> list[int]:
         """The all-to-all's per-peer split for packed rows of ``row_bytes``, built once per size."""
         if row_bytes not in self._split_bytes:
-            self._split_bytes[row_bytes] = [count * row_bytes for count in self.rows_from]
+            self._split_bytes[row_bytes] = [0 if peer == self.me else self.per_peer * row_bytes
+                                            for peer in self.peers]
         return self._split_bytes[row_bytes]
 
 
@@ -67,14 +81,13 @@ class _Route:
 class _Exchange:
     """One hop's all-to-all, sent (and perhaps still in flight): what came back is ``received``
     once ``work`` (None when it ran synchronously) is waited for; ``own`` are the rows this rank
-    kept in fp32, ``shape`` the rows' (k, S)."""
+    kept (a view of its input), in the order of the route."""
 
     work: dist.Work | None
     received: torch.Tensor
     own: torch.Tensor
     route: _Route
     codec: ChunkCodec
-    shape: torch.Size
 
 
 class HierarchicalQuantizedReduceScatter(LateReduceScatter):
@@ -238,13 +251,13 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
         if self.topology.num_nodes > 1:
             exchange = self._send(partial, piece.inter, 2, self.groups.inter_node_group,
                                   columns=piece.columns, chunk_numel=rows.shape[1])
-            partial = self._received(exchange)
-        self._write(partial.sum(dim=0), out[start:stop], reduction)
+            partial = self._summed(exchange)
+        self._write(partial.view(-1), out[start:stop], reduction)
 
     def _finish_inter_node_hop(self, exchange: _Exchange, output_tensor: torch.Tensor,
                                reduction: Reduction) -> None:
         """Hop 2's end: sum the N partials received into this rank's chunk."""
-        self._write(self._received(exchange).sum(dim=0), output_tensor.view(-1), reduction)
+        self._write(self._summed(exchange).view(-1), output_tensor.view(-1), reduction)
 
     def _write(self, total: torch.Tensor, output_tensor: torch.Tensor, reduction: Reduction) -> None:
         """The fp32 ``total`` reduced as asked (AVG divides by the world size, PREMUL_SUM
@@ -262,90 +275,99 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
         self._residuals[hop] = torch.zeros((num_rows, chunk_numel), dtype=torch.float32, device=device)
         return self._residuals[hop]
 
-    def _with_residual(self, hop: int, x: torch.Tensor, columns: tuple[int, int], chunk_numel: int) -> torch.Tensor:
-        residual = self._residual(hop, x.shape[0], chunk_numel, x.device)
-        if residual is None:
-            return x
-        return x.float() + residual[:, columns[0]:columns[1]]
-
-    def _keep_residual(self, hop: int, x: torch.Tensor, sent: torch.Tensor, packed: torch.Tensor,
-                       codec: ChunkCodec, columns: tuple[int, int], chunk_numel: int) -> None:
-        """Error feedback: remember what quantization lost on the rows ``sent`` (indices into
-        ``x``, the slice ``columns`` of the chunk), to add it before the next call; the rows kept
-        are exact, their residual zero."""
-        decoded = torch.empty((len(sent), x.shape[1]), dtype=torch.float32, device=x.device)
-        codec.decode(packed, decoded)
-        lost = x[sent].float() - decoded
-        residual = self._residual(hop, x.shape[0], chunk_numel, x.device, create=True)[:, columns[0]:columns[1]]
-        residual.zero_()
-        if bool(lost.isfinite().all()):
-            residual[sent] = lost
-
-    def _route(self, num_rows: int, group: dist.ProcessGroup, remap: bool, device: torch.device) -> _Route:
+    def _route(self, num_rows: int, group: dist.ProcessGroup, remap: bool) -> _Route:
         """Which rows this rank keeps and sends in a hop, planned once per shape and group."""
-        key = (num_rows, id(group), remap, device)
+        key = (num_rows, id(group), remap)
         if key not in self._routes:
-            size, me = group.size(), group.rank()
-            order = (intra_node_send_order(self.topology.num_nodes, self.topology.ranks_per_node) if remap
-                     else torch.arange(num_rows))
-            per_peer = num_rows // size
-            own = order[me * per_peer:(me + 1) * per_peer]
-            sent = torch.cat((order[:me * per_peer], order[(me + 1) * per_peer:]))
-            self._routes[key] = _Route(own.to(device), sent.to(device), me * per_peer, (me + 1) * per_peer,
-                                       [0 if peer == me else per_peer for peer in range(size)])
+            self._routes[key] = _Route(group.size(), group.rank(), num_rows // group.size(), remap)
         return self._routes[key]
 
     def _send(self, rows: torch.Tensor, codec: ChunkCodec, hop: int, group: dist.ProcessGroup,
               remap: bool = False, async_op: bool = False, columns: tuple[int, int] | None = None,
               chunk_numel: int | None = None) -> _Exchange:
-        """Start sending ``rows`` (k, S) to the group's ranks (k / size rows each, in the order of
-        [Note: qgZ remap] with ``remap``); ``_received`` gives what each rank sent.
+        """Start sending ``rows`` (k, s) to the group's ranks (k / size rows each, in the order of
+        [Note: qgZ remap] with ``remap``); ``_summed`` gives the sum of what every rank sent.
 
-        Only the rows bound for other ranks are quantized; the block this rank owes itself stays
-        in fp32 and never enters the collective, which sends it nothing (see [Note: qgZ own rows]).
+        Each peer's rows are coded straight from ``rows`` (views, no copy) into its rows of the
+        payload. Only the rows bound for other ranks are quantized; the block this rank owes
+        itself stays in fp32 and never enters the collective, which sends it nothing (see
+        [Note: qgZ own rows]). With error feedback a peer's rows and residual are added first
+        (a copy of that peer's rows only).
         """
-        route = self._route(rows.shape[0], group, remap, rows.device)
+        route = self._route(rows.shape[0], group, remap)
         if columns is None:  # the rows are whole chunks
             columns, chunk_numel = (0, rows.shape[1]), rows.shape[1]
-        if rows.dtype != torch.float32 and any(segment.bits is None for segment in codec.segments):
-            rows = rows.float()  # spared gradients travel in fp32 ([Note: full-precision gradients])
+        residual = None
         if self.error_feedback:
-            rows = self._with_residual(hop, rows, columns, chunk_numel)
-        packed = torch.empty((len(route.sent), codec.nbytes), dtype=torch.uint8, device=rows.device)
-        codec.encode(rows.index_select(0, route.sent), packed, self._generator(hop, rows.device))
-        if self.error_feedback:
-            self._keep_residual(hop, rows, route.sent, packed, codec, columns, chunk_numel)
+            residual = self._residual(hop, rows.shape[0], chunk_numel, rows.device, create=True)
+            residual = residual[:, columns[0]:columns[1]]
+        spared = rows.dtype != torch.float32 and any(segment.bits is None for segment in codec.segments)
+        packed = torch.empty(((route.size - 1) * route.per_peer, codec.nbytes), dtype=torch.uint8, device=rows.device)
+        generator, finite = self._generator(hop, rows.device), None
+        for peer in route.peers:
+            if peer == route.me:
+                continue
+            x = route.rows_of(rows, peer)
+            if spared:
+                x = x.float()  # spared gradients travel in fp32 ([Note: full-precision gradients])
+            if residual is not None:
+                x = x.float() + route.rows_of(residual, peer)
+            codec.encode(x, packed[route.slot(peer)], generator)
+            if residual is not None:
+                finite = self._keep_residual(x, packed[route.slot(peer)], codec, route.rows_of(residual, peer), finite)
+        if finite is not None and not bool(finite):
+            residual.zero_()  # a non-finite slice leaves no residual ([Note: qgZ slices])
         received = torch.empty_like(packed)
         work = all_to_all(received.view(-1), packed.view(-1), route.split_bytes(codec.nbytes),
                           group, self.recorder, self.technique, dtype=_payload_dtype(codec),
                           async_op=async_op)
-        return _Exchange(work, received, rows.index_select(0, route.own), route, codec, rows.shape)
+        return _Exchange(work, received, route.rows_of(rows, route.me), route, codec)
 
     @staticmethod
-    def _received(exchange: _Exchange) -> torch.Tensor:
-        """What each rank of an exchange sent, decoded to fp32 (k, S), in the rows' slots."""
+    def _keep_residual(x: torch.Tensor, packed: torch.Tensor, codec: ChunkCodec, residual: torch.Tensor,
+                       finite: torch.Tensor | None) -> torch.Tensor:
+        """Error feedback: remember in ``residual`` what coding ``x`` into ``packed`` lost, to add
+        it before the next call (the rows a rank keeps are exact, their residual stays zero);
+        whether all of the slice's losses so far are finite."""
+        decoded = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        codec.decode(packed, decoded)
+        lost = decoded.neg_().add_(x)
+        residual.copy_(lost)
+        all_finite = lost.isfinite().all()
+        return all_finite if finite is None else finite & all_finite
+
+    @staticmethod
+    def _summed(exchange: _Exchange) -> torch.Tensor:
+        """The fp32 sum, over the group's ranks in order, of the rows each sent this rank: each
+        source decoded into one reused buffer as it is added, so no more than one source's rows
+        are ever decoded at once."""
         if exchange.work is not None:
             exchange.work.wait()
-        decoded = torch.empty(exchange.shape, dtype=torch.float32, device=exchange.received.device)
-        before, after = exchange.route.own_start, exchange.route.own_stop
-        for source, target in ((exchange.received[:before], decoded[:before]),
-                               (exchange.received[before:], decoded[after:])):
-            if len(source):
-                exchange.codec.decode(source, target)
-        decoded[before:after] = exchange.own
-        return decoded
+        route = exchange.route
+        total = decoded = None
+        for peer in route.peers:
+            if peer == route.me:
+                term = exchange.own
+            else:
+                if decoded is None:
+                    decoded = torch.empty(exchange.own.shape, dtype=torch.float32, device=exchange.own.device)
+                exchange.codec.decode(exchange.received[route.slot(peer)], decoded)
+                term = decoded
+            if total is None:
+                total = term.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+            else:
+                total.add_(term)
+        return total
 
     def _intra_node_hop(self, rows: torch.Tensor, piece: _Slice) -> torch.Tensor:
         """Hop 1 over a slice of the (W, S) rows (row n*D + d owed to rank n*D + d): local rank d
         gets rows [:, d] from each node peer and sums them: the (N, s) partials, in fp32."""
-        num_nodes, ranks_per_node = self.topology.num_nodes, self.topology.ranks_per_node
         start, stop = piece.columns
         columns = rows[:, start:stop]
-        if ranks_per_node == 1:
+        if self.topology.ranks_per_node == 1:
             return columns.float()
-        decoded = self._received(self._send(columns, piece.intra, 1, self.groups.intra_node_group, remap=True,
-                                            columns=piece.columns, chunk_numel=rows.shape[1]))
-        return decoded.view(ranks_per_node, num_nodes, stop - start).sum(dim=0)
+        return self._summed(self._send(columns, piece.intra, 1, self.groups.intra_node_group, remap=True,
+                                       columns=piece.columns, chunk_numel=rows.shape[1]))
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ walks the units:
   weights freed, the previous unit's reduce-scatter input released (FSDP2 keeps the last one
   until the next reduce-scatter), the padded input in the reduce dtype filled from the gradients,
   and what the comm allocates: nothing for FSDP2's own, for qgZ [Note: qgZ's buffers]. The
-  gradients are freed once copied, except a head's or final norm's in a unit of its own
-  (``UnitShape.is_single_layer``), which autograd holds until the reduce-scatter returns;
+  gradients are freed once copied, except a head's, final norm's or embedding's in a unit of
+  its own (``UnitShape.is_single_layer``), held until the reduce-scatter returns;
 - the optimizer step: every gradient beside AdamW's temporaries.
 
 A root that holds parameters is gathered first and stays whole to the end of backward (FSDP2
@@ -39,12 +39,13 @@ states off the device and adds each gather's copy-in ([Note: CPU offload in a st
 temporaries off it ([Note: the optimizer on the host in a step] there).
 
 [Note: qgZ's buffers]
-Hop 1 (inside the node, when a node has several ranks) takes the reduce-scatter input as W rows
-of S elements: it copies out the W - N rows it sends, codes them into a packed buffer, receives
-as many packed rows, keeps its N own rows in fp32 and decodes all W rows into one fp32 buffer
-before summing them into N partial rows; its largest moment holds the decoded rows, what
-arrived and the own rows (W + N) x S x 4 bytes plus one packed buffer. Hop 2 does the same on the
-N partial rows (N - 1 sent), while they stay alive.
+qgZ runs over column slices of the W rows of S elements (``ZeroPPConfig.grad_slice_bytes``: s
+columns, at most that many bytes of fp32 rows; all S without it), coding each peer's rows
+straight from the input. Hop 1 (inside the node, when a node has several ranks) holds the
+packed rows it sends to its D - 1 node peers (W - N rows) and as many received, then decodes
+one peer's N rows at a time into one buffer and adds them to N partial rows: its largest
+moment is max(2 x packed, packed + 2 x N x s x 4). Hop 2 does the same with the N partial
+rows (N - 1 sent, one row from each node), while they stay alive.
 """
 
 from __future__ import annotations
@@ -166,20 +167,23 @@ def _gather_bytes(padded: list[int], quantize: list[bool], group: int, config: Z
 def _qgz_bytes(trainable: list[int], config: ZeroPPConfig, topology: Topology) -> float:
     """qgZ's buffers at their largest moment ([Note: qgZ's buffers])."""
     world, nodes, per_node = topology.world_size, topology.num_nodes, topology.ranks_per_node
-    chunk = sum(trainable) // world * 4
+    chunk = sum(trainable) // world
+    columns = chunk if config.grad_slice_bytes is None else min(chunk, max(1, config.grad_slice_bytes // (4 * world)))
     grouped = config.gradient_code.grouped_scales
 
-    def row(bits: int) -> int:
+    def packed_row(bits: int) -> float:
+        """A slice's payload row: the chunk's, in proportion to the columns."""
         segments = segments_for(trainable, [True] * len(trainable), world, bits, grouped_scales=grouped)
-        return payload_bytes(segments, config.gradient_block_size, torch.float32)
+        return payload_bytes(segments, config.gradient_block_size, torch.float32) * columns / chunk
 
-    peak = 0.0
+    peak, partials = 0.0, 0.0
     if per_node > 1:
-        sent, packed = world - nodes, (world - nodes) * row(config.grad_bits_intra)
-        peak = max(sent * chunk + packed, 2 * packed + nodes * chunk, (world + nodes) * chunk + packed)
+        packed = (world - nodes) * packed_row(config.grad_bits_intra)
+        partials = nodes * columns * 4
+        peak = max(2 * packed, packed + 2 * partials)
     if nodes > 1:
-        sent, packed = nodes - 1, (nodes - 1) * row(config.grad_bits_inter)
-        peak = max(peak, nodes * chunk + max(sent * chunk + packed, 2 * packed + chunk, (nodes + 1) * chunk + packed))
+        packed = (nodes - 1) * packed_row(config.grad_bits_inter)
+        peak = max(peak, partials + max(2 * packed, packed + 2 * columns * 4))
     return peak
 
 

@@ -25,10 +25,12 @@ class UnitShape:
     """One of the model's repeated blocks (its activations are a block's); False for the other
     units: the root, and the embedding, final norm or head where they are units of their own."""
     is_single_layer: bool = False
-    """One layer applied to an input that needs a gradient (a head, a final norm, each a unit of
-    its own): autograd's node for it yields its weight's gradient and its input's together, and
-    holds the weight's until FSDP2's post-backward (which the input's gradient triggers) has
-    returned, reduce-scatter included. An embedding's input (token ids) needs none."""
+    """One layer in a unit of its own (a head, a final norm, an embedding), whose weight's
+    gradient stays held until FSDP2's post-backward has returned, reduce-scatter included: for a
+    layer applied to an input that needs a gradient, autograd's node yields the weight's gradient
+    and the input's together and the input's triggers the post-backward; an embedding's input
+    (token ids) needs none, so its post-backward runs from FSDP2's final callback, with the
+    gradient still on the parameter."""
 
     @property
     def num_parameters(self) -> int:
@@ -112,8 +114,7 @@ def from_module(model: nn.Module, units: list[nn.Module] | None = None, *, name:
         params = [p for p in unit.parameters() if id(p) not in claimed and p.dim() > 0]
         claimed.update(id(p) for p in params)
         label = type(unit).__name__ if unit is not model else f"{type(model).__name__} (root)"
-        single = unit is not model and not isinstance(unit, nn.Embedding) and not any(
-            p.numel() for child in unit.children() for p in child.parameters())
+        single = unit is not model and not any(p.numel() for child in unit.children() for p in child.parameters())
         shapes.append(UnitShape(label, tuple(tuple(p.shape) for p in params), tuple(p.requires_grad for p in params),
                                 is_block=unit is not model and type(unit) in block_types, is_single_layer=single))
     blocks, root = shapes[:-1][::-1], shapes[-1]
