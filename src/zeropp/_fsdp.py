@@ -15,6 +15,7 @@ one to change. Verified against torch 2.11 and 2.13 (``tests/test_fsdp_access.py
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -38,7 +39,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
     _get_gradient_divide_factors,
     _get_param_all_gather_inputs,
 )
-from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo, TrainingState
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo, TrainingState
 from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
 __all__ = [
@@ -122,6 +123,47 @@ def unit_layout(module: FSDPModule) -> UnitLayout:
         post_forward_group_size=post_forward.shard_mesh_size if post_forward is not None else world_size,
         kept_whole_after_forward=post_forward is None,
     )
+
+
+def shard_group_ranks(unit: FSDPModule) -> tuple[int, ...] | None:
+    """The global ranks, in group order, of the group a unit is sharded over (the data-parallel
+    ranks its reduce-scatter runs over); None for a unit that owns no parameters."""
+    param_group = _param_group(unit)
+    if param_group is None:
+        return None
+    return tuple(dist.get_process_group_ranks(param_group.mesh_info.shard_process_group))
+
+
+def replicate_group(unit: FSDPModule) -> dist.ProcessGroup | None:
+    """The group a unit's gradients are reduced across after its reduce-scatter: HSDP's
+    replicate group (also once ``set_replicas_reduced_by_comm`` took that over); None for a unit
+    sharded without replicas or owning no parameters."""
+    param_group = _param_group(unit)
+    if param_group is None or param_group.mesh_info.replicate_mesh_dim is None:
+        return None
+    return param_group.mesh_info.mesh.get_group(param_group.mesh_info.replicate_mesh_dim)
+
+
+def default_divide_factor(unit: FSDPModule) -> bool:
+    """Whether FSDP2 divides a unit's summed gradients by its default factor (no
+    ``set_gradient_divide_factor``)."""
+    param_group = _param_group(unit)
+    return param_group is None or param_group.gradient_divide_factor is None
+
+
+def set_replicas_reduced_by_comm(unit: FSDPModule, by_comm: bool) -> None:
+    """HSDP: whether the unit's reduce-scatter comm also reduces across the replicas (``by_comm``)
+    instead of FSDP2's all-reduce after it. FSDP2 all-reduces when the parameter group's mesh
+    info is HSDP's; this gives the group the same mesh as FSDP-only mesh info (same shard group,
+    same replicate dimension recorded), or back. The parameters keep their own (their DTensor
+    placements stay Replicate x Shard). See zeropp.replicas [Note: the replicas' reduction]."""
+    param_group = _param_group(unit)
+    if param_group is None or param_group.mesh_info.replicate_mesh_dim is None:
+        return
+    info = param_group.mesh_info
+    kind = FSDPMeshInfo if by_comm else HSDPMeshInfo
+    if type(info) is not kind:
+        param_group.mesh_info = kind(**{f.name: getattr(info, f.name) for f in dataclasses.fields(kind) if f.init})
 
 
 def set_post_forward_mesh(unit: FSDPModule, mesh: DeviceMesh) -> None:

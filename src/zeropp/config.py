@@ -145,7 +145,7 @@ def _check_type_name(key: str, value: Any, names: Mapping[str, Any], any_case: b
 _ZEROPP_CHECKS: dict[str, Checker] = {
     **dict.fromkeys(("quantized_weights", "quantized_nontrainable_weights", "quantized_gradients",
                      "quantize_intra_node_weights", "error_feedback", "low_bit_trainable_weights", "overlap",
-                     "hierarchical_gather", "offload_pin_memory"),
+                     "hierarchical_gather", "offload_pin_memory", "quantized_replica_gradients"),
                     _BOOL),
     "offload": _OFFLOAD,
     "hpz_partition_size": _POSITIVE_INT,
@@ -177,7 +177,14 @@ class ZeroPPConfig(_KeyedConfig):
     hpz_partition_size: int = 1
     """hpZ: ranks sharing the post-forward secondary copy; 1 = off (zero_hpz_partition_size)."""
     quantized_gradients: bool = False
-    """qgZ: two-hop quantized all-to-all reduce-scatter (DeepSpeed zero_quantized_gradients)."""
+    """qgZ: two-hop quantized all-to-all reduce-scatter (DeepSpeed zero_quantized_gradients), over
+    each unit's shard group (on a 2-D mesh its data-parallel sub-mesh)."""
+    quantized_replica_gradients: bool = False
+    """HSDP (units sharded on a (replicate, shard) mesh): the gradients' reduction across the
+    replicas, HSDP's cross-node traffic, as a quantized reduce-scatter and all-gather at
+    ``grad_bits_inter`` bits instead of FSDP2's all-reduce in the reduce dtype; every replica
+    decodes the same codes, so replicas never drift apart. See zeropp.replicas [Note: the
+    replicas' reduction]."""
     block_size: int = 256
     """Consecutive elements sharing one quantization scale; a power of two from 8 to 65536."""
     weight_bits: int = 8
@@ -550,7 +557,7 @@ _DEEPSPEED_KEYS: dict[str, tuple[str, str]] = {
         "grad_full_precision_below", "grad_bits_intra", "grad_bits_inter",
         "quantize_intra_node_weights", "error_feedback", "low_bit_trainable_weights", "grad_rotation",
         "grad_rounding", "grad_levels", "grad_block_size", "grad_scale_bits", "overlap", "hierarchical_gather",
-        "grad_slice_bytes")},
+        "grad_slice_bytes", "quantized_replica_gradients")},
     "bf16.enabled": ("training", "bf16"),
     "fp16.enabled": ("training", "fp16"),
     **{f"fp16.{name}": ("training", name) for name in (

@@ -24,7 +24,7 @@ from zeropp.codes.codec import ChunkCodec, Segment, segments_for
 from zeropp.codes.gradcode import GradientCode
 from zeropp.comms import LateReduceScatter, Reduction, all_to_all, nbytes, reduction_of
 from zeropp.ledger import CommLedger
-from zeropp.topology import ProcessGroups
+from zeropp.topology import ProcessGroups, ShardGroups
 
 
 def full_precision_gradients(names: Sequence[str], shapes: Sequence[torch.Size], patterns: Sequence[str],
@@ -135,9 +135,15 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
     def __init__(self, groups: ProcessGroups, padded_numels: list[int], *, bits_intra: int,
                  bits_inter: int, block_size: int, error_feedback: bool = False,
                  code: GradientCode | None = None, seed: int = 0, full_precision: Sequence[bool] | None = None,
-                 slice_bytes: int | None = None, ledger: CommLedger | None = None) -> None:
+                 slice_bytes: int | None = None, shard: ShardGroups | None = None,
+                 ledger: CommLedger | None = None) -> None:
         super().__init__(groups.topology, ledger)
-        self.groups = groups
+        self.groups = shard if shard is not None else groups.shard_groups()
+        """The unit's shard group on nodes: the world's, or a 2-D mesh's data-parallel group
+        ([Note: shard groups on nodes] in ``zeropp.topology``)."""
+        self.placement = self.groups.placement
+        """The shard group's nodes and ranks per node: what the two hops follow (``topology`` is
+        the world's, which classifies each group's links in the ledger)."""
         self.padded_numels = padded_numels
         self.full_precision = list(full_precision) if full_precision is not None else [False] * len(padded_numels)
         """Per parameter of ``padded_numels``: its gradient travels unquantized ([Note: full-precision
@@ -162,7 +168,7 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
     def codec(self, chunk_numel: int, bits: int) -> ChunkCodec:
         key = (chunk_numel, bits)
         if key not in self._codecs:
-            world_size = self.topology.world_size
+            world_size = self.placement.world_size
             grouped = self.code.grouped_scales
             if sum(self.padded_numels) == chunk_numel * world_size:
                 quantized = [not spared for spared in self.full_precision]
@@ -194,9 +200,9 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: dist.ReduceOp, async_op: bool = False) -> dist.Work | None:
-        topology = self.topology
+        topology = self.placement
         if group.size() != topology.world_size:
-            raise ValueError(f"qgZ reduce-scatter runs on the world ({topology.world_size} ranks), "
+            raise ValueError(f"qgZ reduce-scatter runs on the unit's shard group ({topology.world_size} ranks), "
                              f"got a group of {group.size()}")
         reduction = reduction_of(op)
         chunk_numel = output_tensor.numel()
@@ -231,7 +237,7 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
         if whole or self.slice_bytes is None or self.code.rounding == "stochastic":
             return [self._whole(chunk_numel)]
         if chunk_numel not in self._slices:
-            max_numel = max(1, self.slice_bytes // (4 * self.topology.world_size))
+            max_numel = max(1, self.slice_bytes // (4 * self.placement.world_size))
             intra, inter = (self.codec(chunk_numel, bits) for bits in (self.bits_intra, self.bits_inter))
             pieces = _cut(intra.segments, self.block_size, max_numel)
             self._slices[chunk_numel] = [
@@ -248,7 +254,7 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
         """Both hops over one slice of columns, and its output ([Note: qgZ slices])."""
         start, stop = piece.columns
         partial = self._intra_node_hop(rows, piece)
-        if self.topology.num_nodes > 1:
+        if self.placement.num_nodes > 1:
             exchange = self._send(partial, piece.inter, 2, self.groups.inter_node_group,
                                   columns=piece.columns, chunk_numel=rows.shape[1])
             partial = self._summed(exchange)
@@ -260,9 +266,9 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
         self._write(self._summed(exchange).view(-1), output_tensor.view(-1), reduction)
 
     def _write(self, total: torch.Tensor, output_tensor: torch.Tensor, reduction: Reduction) -> None:
-        """The fp32 ``total`` reduced as asked (AVG divides by the world size, PREMUL_SUM
+        """The fp32 ``total`` reduced as asked (AVG divides by the shard group's size, PREMUL_SUM
         multiplies by its factor), in the output's dtype."""
-        output_tensor.copy_(reduction.apply(total, self.topology.world_size))
+        output_tensor.copy_(reduction.apply(total, self.placement.world_size))
 
     def _residual(self, hop: int, num_rows: int, chunk_numel: int, device: torch.device,
                   create: bool = False) -> torch.Tensor | None:
@@ -364,7 +370,7 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
         gets rows [:, d] from each node peer and sums them: the (N, s) partials, in fp32."""
         start, stop = piece.columns
         columns = rows[:, start:stop]
-        if self.topology.ranks_per_node == 1:
+        if self.placement.ranks_per_node == 1:
             return columns.float()
         return self._summed(self._send(columns, piece.intra, 1, self.groups.intra_node_group, remap=True,
                                        columns=piece.columns, chunk_numel=rows.shape[1]))

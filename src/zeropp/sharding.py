@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import functools
+import logging
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,17 +24,21 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from zeropp._fsdp import (
     AllGather,
     ReduceScatter,
+    default_divide_factor,
     fsdp_units,
     gradients_read_only_after_backward,
     offloads_to_cpu,
+    replicate_group,
     set_post_forward_mesh,
     set_process_group_timeouts,
+    set_replicas_reduced_by_comm,
     set_unshard_async,
+    shard_group_ranks,
     unit_layout,
     unit_parameters,
 )
 from zeropp.agreement import agree, config_view, parameters_view, units_view
-from zeropp.comms import CountingAllGather, CountingReduceScatter, Recorder, collective_timeout_s
+from zeropp.comms import CountingAllGather, CountingReduceScatter, Recorder, all_gather_strings, collective_timeout_s
 from zeropp.config import ZeroPPConfig
 from zeropp.hpz import (
     check_hpz,
@@ -44,6 +49,7 @@ from zeropp.hpz import (
 )
 from zeropp.qgz import HierarchicalQuantizedReduceScatter, full_precision_gradients
 from zeropp.qwz import QuantizedAllGather, quantized_parameters
+from zeropp.replicas import ReplicatedReduceScatter
 from zeropp.scalars import replicate_scalars, scalar_parameters
 from zeropp.topology import (
     ProcessGroups,
@@ -52,8 +58,11 @@ from zeropp.topology import (
     check_hosts,
     check_world_size,
     device_type_of,
+    place_on_nodes,
 )
 from zeropp.unused import GradientPresence
+
+logger = logging.getLogger("zeropp")
 
 UnitSpec = Sequence[type[nn.Module] | nn.Module]
 
@@ -123,8 +132,9 @@ def enable(model: nn.Module, config: ZeroPPConfig | None = None, *, topology: To
     With ``hpz_partition_size > 1`` every unit that reshards after forward (``fully_shard``'s
     ``reshard_after_forward=True``, or the same int) reshards to hpZ's node partition instead,
     one mesh for the whole model ([Note: one node mesh]); a unit kept whole after forward
-    (``reshard_after_forward=False``) stays whole. qgZ's two hops need every unit sharded over
-    the whole world (a 1-D mesh, not HSDP's 2-D one).
+    (``reshard_after_forward=False``) stays whole. qgZ runs over each unit's shard group: the
+    world, or on a 2-D mesh (tensor parallel x FSDP, HSDP) its data-parallel sub-mesh, placed on
+    nodes ([Note: shard groups on nodes]).
     """
     _require_process_group("zeropp.enable")
     if not isinstance(model, FSDPModule):
@@ -151,6 +161,14 @@ def _enable(model: FSDPModule, config: ZeroPPConfig, groups: ProcessGroups) -> n
     names = {id(module): name for name, module in model.named_modules()}
     for unit in units:
         check_unit(unit, config, groups.topology, names[id(unit)] or "the root")
+    for unit in units:
+        set_replicas_reduced_by_comm(unit, config.quantized_replica_gradients)
+    if config.quantized_weights and not config.quantize_intra_node_weights and _gathers_stay_in_nodes(
+            units, groups.topology):
+        logger.warning(
+            "zeropp: %s=true, but every unit gathers its weights inside a node (HSDP's shard group): qwZ sends "
+            "full precision there and changes nothing; set %s=true to quantize these gathers too",
+            config.key_of("quantized_weights"), config.key_of("quantize_intra_node_weights"))
     if groups.hpz_mesh is not None:
         for unit in units:
             if not unit_layout(unit).kept_whole_after_forward:
@@ -175,6 +193,24 @@ def _enable(model: FSDPModule, config: ZeroPPConfig, groups: ProcessGroups) -> n
         installed.fresh_copy_hooks = True
     _SHARDED[model] = installed
     return model
+
+
+def _gathers_stay_in_nodes(units: list[FSDPModule], topology: Topology) -> bool:
+    """Whether every unit with parameters gathers over a group inside one node (on every rank:
+    a mesh's shard groups are alike)."""
+    groups = [shard_group_ranks(unit) for unit in units if unit_layout(unit).padded_numels]
+    return bool(groups) and all(len({topology.node_of(rank) for rank in ranks}) == 1 for ranks in groups)
+
+
+def shard_layout(unit: FSDPModule, topology: Topology) -> tuple[tuple[int, ...], ...] | None:
+    """Every shard group of the mesh ``unit`` is sharded on (each its global ranks, in group
+    order), or None when the unit is sharded over the world. A rank sees its own group only, so
+    the ranks exchange theirs (a few bytes, at set-up; collective over the world)."""
+    mine = shard_group_ranks(unit)
+    if mine is None or len(mine) == topology.world_size:
+        return None
+    every = all_gather_strings(",".join(map(str, mine)))
+    return tuple(tuple(int(rank) for rank in ranks.split(",")) for ranks in dict.fromkeys(every))
 
 
 def _check_patterns(model: nn.Module, config: ZeroPPConfig) -> None:
@@ -234,10 +270,16 @@ def check_unit(unit: FSDPModule, config: ZeroPPConfig, topology: Topology, name:
     layout = unit_layout(unit)
     name = f"unit {name!r} ({type(unit).__name__})"
     if config.quantized_gradients and layout.padded_numels and layout.shard_group_size != topology.world_size:
+        try:
+            place_on_nodes(topology, shard_group_ranks(unit))
+        except ValueError as error:
+            raise ValueError(f"{config.key_of('quantized_gradients')}: {name} reduce-scatters over {error}; or "
+                             f"turn {config.key_of('quantized_gradients')} off") from None
+    if config.quantized_replica_gradients and layout.padded_numels and replicate_group(unit) is None:
         raise ValueError(
-            f"qgZ needs every unit sharded over the whole world ({topology.world_size} ranks); {name} is "
-            f"sharded over {layout.shard_group_size} (HSDP or a 2-D mesh): shard it with fully_shard(module, "
-            f"mesh=<1-D world mesh>) or turn {config.key_of('quantized_gradients')} off")
+            f"{config.key_of('quantized_replica_gradients')}=true quantizes the gradients' all-reduce across HSDP's "
+            f"replicas, but {name} has no replicas (sharded on a 1-D mesh or a tensor parallel x FSDP one): shard "
+            "it with fully_shard(module, mesh=<(replicate, shard) mesh>) or leave the option off")
     hpz, hpz_key = config.hpz_partition_size, config.key_of("hpz_partition_size")
     if hpz > 1 and layout.padded_numels and layout.shard_group_size != topology.world_size:
         raise ValueError(
@@ -277,7 +319,8 @@ class ShardedComms:
     @property
     def qgz(self) -> list[HierarchicalQuantizedReduceScatter]:
         """The qgZ reduce-scatters (they hold the error-feedback residuals)."""
-        return [c for c in self.reduce_scatters if isinstance(c, HierarchicalQuantizedReduceScatter)]
+        inner = [c.shard if isinstance(c, ReplicatedReduceScatter) else c for c in self.reduce_scatters]
+        return [c for c in inner if isinstance(c, HierarchicalQuantizedReduceScatter)]
 
 
 _SHARDED: weakref.WeakKeyDictionary[nn.Module, ShardedComms] = weakref.WeakKeyDictionary()
@@ -308,18 +351,25 @@ def _install_comms(module: FSDPModule, groups: ProcessGroups, config: ZeroPPConf
     else:
         all_gather = CountingAllGather(groups.topology)
         keep_secondary_as_codes(module, None)
+    trainable = [n for n, t in zip(layout.padded_numels, layout.trainable) if t]
+    spared = full_precision_gradients(
+        [n for n, t in zip(named.names, layout.trainable) if t],
+        [s for s, t in zip(layout.shapes, layout.trainable) if t],
+        config.grad_full_precision_parameters, config.grad_full_precision_below)
     if config.quantized_gradients:
-        trainable = [n for n, t in zip(layout.padded_numels, layout.trainable) if t]
-        spared = full_precision_gradients(
-            [n for n, t in zip(named.names, layout.trainable) if t],
-            [s for s, t in zip(layout.shapes, layout.trainable) if t],
-            config.grad_full_precision_parameters, config.grad_full_precision_below)
+        shard = groups.shard_groups(shard_layout(module, groups.topology))
         reduce_scatter = HierarchicalQuantizedReduceScatter(
             groups, trainable, bits_intra=config.grad_bits_intra, bits_inter=config.grad_bits_inter,
             block_size=config.gradient_block_size, error_feedback=config.error_feedback, code=config.gradient_code,
-            full_precision=spared, slice_bytes=config.grad_slice_bytes)
+            full_precision=spared, slice_bytes=config.grad_slice_bytes, shard=shard)
     else:
         reduce_scatter = CountingReduceScatter(groups.topology)
+    replicas = replicate_group(module)
+    if config.quantized_replica_gradients and replicas is not None:
+        reduce_scatter = ReplicatedReduceScatter(
+            groups, reduce_scatter, replicas, [n // layout.shard_group_size for n in trainable], spared,
+            bits=config.grad_bits_inter, block_size=config.gradient_block_size,
+            divides_by_default_factor=default_divide_factor(module))
     if config.overlap:
         reduce_scatter.may_finish_late = functools.partial(gradients_read_only_after_backward, module)
     return all_gather, reduce_scatter

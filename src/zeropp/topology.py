@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -139,6 +139,23 @@ def check_world_size(topology: Topology) -> None:
 
 
 @dataclass(frozen=True)
+class ShardGroups:
+    """A unit's shard group (the ranks its reduce-scatter runs over) as placed on nodes: qgZ's
+    two hops run inside it. The whole world for a 1-D mesh; the data-parallel sub-mesh of a
+    tensor parallel x FSDP mesh, or the shard group of HSDP, for a 2-D one ([Note: shard groups
+    on nodes])."""
+
+    placement: Topology
+    """The group's ranks, in group order: ``num_nodes`` nodes of ``ranks_per_node`` each."""
+    ranks: tuple[int, ...]
+    """The global ranks of the group, in group order."""
+    intra_node_group: dist.ProcessGroup | None
+    """The group's ranks on this rank's node; None with one per node."""
+    inter_node_group: dist.ProcessGroup | None
+    """The group's ranks with this rank's index on every node it spans; None on one node."""
+
+
+@dataclass(frozen=True)
 class ProcessGroups:
     """The groups one rank needs, built once and passed explicitly to whatever communicates."""
 
@@ -152,6 +169,22 @@ class ProcessGroups:
     hpz_mesh: DeviceMesh | None = None
     """hpZ's 2-D (replicas x partition) mesh, shared by every unit of a model: each row is one
     secondary partition inside a node; None without hpZ. See [Note: one node mesh]."""
+    _shard_groups: dict[tuple[tuple[int, ...], ...], ShardGroups] = field(default_factory=dict, repr=False)
+
+    def shard_groups(self, layout: Sequence[Sequence[int]] | None = None) -> ShardGroups:
+        """This rank's shard group placed on nodes, among the groups of ``layout`` (every shard
+        group of a mesh, each its global ranks in group order; None: the world), built once per
+        layout. Every rank must call it with the same layouts in the same order (it may create
+        groups: ``new_group`` is collective over the world)."""
+        world = tuple(range(self.topology.world_size))
+        layout = (world,) if layout is None else tuple(tuple(ranks) for ranks in layout)
+        if layout not in self._shard_groups:
+            if layout == (world,):
+                self._shard_groups[layout] = ShardGroups(self.topology, world, self.intra_node_group,
+                                                         self.inter_node_group)
+            else:
+                self._shard_groups[layout] = build_shard_groups(self.topology, layout)
+        return self._shard_groups[layout]
 
 
 def build_process_groups(topology: Topology, device_type: str = "cpu", hpz_partition_size: int = 1) -> ProcessGroups:
@@ -195,6 +228,47 @@ def _hpz_mesh(topology: Topology, hpz_partition_size: int, intra: dist.ProcessGr
                                      mesh_dim_names=("hpz_replica", "hpz_partition"))
     return init_device_mesh(device_type, (world_size // hpz_partition_size, hpz_partition_size),
                             mesh_dim_names=("hpz_replica", "hpz_partition"))
+
+
+def place_on_nodes(world: Topology, ranks: Sequence[int]) -> Topology:
+    """[Note: shard groups on nodes]
+    qgZ's two hops need a group laid out as the world is: its ranks, in group order, fill its
+    nodes one after the other, the same number on each. A tensor parallel x FSDP mesh built
+    data parallel first (``init_device_mesh(.., ("dp_shard", "tp"))``, as torchtitan does) gives
+    that: with TP degree t dividing the node's D ranks, the data-parallel group holds D / t ranks
+    of each node (one per node when TP fills it: qgZ is then one quantized all-to-all across
+    nodes). HSDP's shard group inside a node is one node of D ranks (hop 1 only). Any other
+    placement is refused with the layout it has."""
+    nodes = [world.node_of(rank) for rank in ranks]
+    spanned = list(dict.fromkeys(nodes))
+    per_node = len(ranks) // len(spanned)
+    if nodes != [node for node in spanned for _ in range(per_node)] or len(set(ranks)) != len(ranks):
+        raise ValueError(
+            f"the group of ranks {list(ranks)} sits on nodes {nodes} (nodes of {world.ranks_per_node} ranks): qgZ "
+            "needs a group's ranks to fill its nodes in order, the same number on each (build the mesh with "
+            "init_device_mesh, the data-parallel dimensions first)")
+    return Topology(num_nodes=len(spanned), ranks_per_node=per_node)
+
+
+def build_shard_groups(world: Topology, layout: Sequence[Sequence[int]]) -> ShardGroups:
+    """The groups of ``layout`` (every shard group of a mesh, each a list of global ranks) placed
+    on nodes, with the intra- and inter-node groups of each; this rank's. Collective: every rank
+    creates every group, in the same order."""
+    rank = dist.get_rank()
+    placements = [place_on_nodes(world, ranks) for ranks in layout]
+    intra_lists, inter_lists = [], []
+    for ranks, placement in zip(layout, placements):
+        rows = [list(ranks[n * placement.ranks_per_node:(n + 1) * placement.ranks_per_node])
+                for n in range(placement.num_nodes)]
+        if placement.ranks_per_node > 1:
+            intra_lists += rows
+        if placement.num_nodes > 1:
+            inter_lists += [list(column) for column in zip(*rows)]
+    intra = _new_groups(intra_lists, rank) if intra_lists else None
+    inter = _new_groups(inter_lists, rank) if inter_lists else None
+    (mine, placement), = [(ranks, p) for ranks, p in zip(layout, placements) if rank in ranks]
+    return ShardGroups(placement, tuple(mine), intra if placement.ranks_per_node > 1 else None,
+                       inter if placement.num_nodes > 1 else None)
 
 
 def _new_groups(rank_lists: list[list[int]], rank: int) -> dist.ProcessGroup:

@@ -46,6 +46,9 @@ class Mode:
     """The optimizer steps each unit in backward and the next forward's gathers start right after
     (``zeropp.optimizer_in_backward(..., gather_ahead=True)``): the training loop calls no
     ``optimizer.step()``, so only harnesses written for it take such a mode."""
+    tensor_parallel: int = 1
+    """Tensor parallel degree inside the node (the GPT's MLPs, Megatron's column then row split),
+    FSDP over the data-parallel sub-mesh across it: torchtitan's 2-D layout. 1: none."""
     decoded_secondary_copy: bool = False
     """hpZ keeps FSDP2's decoded secondary copy instead of qwZ's codes
     (``zeropp.hpz.keep_decoded_secondary_copies``): the same training bit for bit, to compare the
@@ -53,8 +56,9 @@ class Mode:
 
     def config(self, ranks_per_node: int, **overrides: Any) -> ZeroPPConfig:
         """The ``ZeroPPConfig`` of this mode on nodes of ``ranks_per_node`` ranks; ``overrides``
-        are further fields (dtypes, block size, ...)."""
-        if self.system is not System.ZEROPP:
+        are further fields (dtypes, block size, ...). An HSDP mode's is what ``zeropp.enable``
+        adds to FSDP2's hybrid sharding."""
+        if self.system is System.DEEPSPEED:
             raise ValueError(f"mode {self.name!r} runs {self.system.value}, not zeropp: it has no ZeroPPConfig")
         hpz = {"hpz_partition_size": ranks_per_node} if self.hpz else {}
         return ZeroPPConfig(**{**self.options, **hpz, **overrides})
@@ -97,6 +101,12 @@ MODES: dict[str, Mode] = {mode.name: mode for mode in (
          "(qgZ's two hops, nothing quantized)",
          options={"quantized_gradients": True, "grad_full_precision_parameters": ("*",)}),
     Mode(name="hsdp", summary="FSDP2 hybrid sharding (replicate across nodes)", system=System.HSDP),
+    Mode(name="hsdp_quantized", summary="hsdp, its cross-node gradient all-reduce in INT4 "
+         "(quantized_replica_gradients)", system=System.HSDP, options={"quantized_replica_gradients": True}),
+    Mode(name="tp_zero3", summary="tensor parallel 2 inside the node x ZeRO-3 across (FSDP2's collectives, counted)",
+         tensor_parallel=2),
+    Mode(name="tp_qwz_qgz", summary="tp_zero3 with qwZ and qgZ on the data-parallel sub-mesh", options=_ALL,
+         tensor_parallel=2),
     Mode(name="deepspeed", summary="DeepSpeed ZeRO-3", system=System.DEEPSPEED),
     Mode(name="deepspeed_reshard", summary="DeepSpeed ZeRO-3 resharding as FSDP2 does (see _DEEPSPEED_RESHARD)",
          system=System.DEEPSPEED, options=_DEEPSPEED_RESHARD),
@@ -177,9 +187,10 @@ BASELINE = "zero3"
 
 
 def zeropp_modes() -> tuple[str, ...]:
-    """The modes that ``zeropp.shard`` trains with an ordinary optimizer loop (demo, converge,
-    finetune accept only these)."""
-    return tuple(name for name, mode in MODES.items() if mode.system is System.ZEROPP and not mode.gather_ahead)
+    """The modes that ``zeropp.shard`` trains with an ordinary optimizer loop on a 1-D mesh (demo,
+    converge, finetune accept only these)."""
+    return tuple(name for name, mode in MODES.items()
+                 if mode.system is System.ZEROPP and not mode.gather_ahead and mode.tensor_parallel == 1)
 
 
 def check_modes(names: Iterable[str], allowed: Iterable[str]) -> tuple[str, ...]:

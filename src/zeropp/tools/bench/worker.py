@@ -112,12 +112,14 @@ class WorkerConfig:
         return args
 
 
-def shard_hsdp(model: nn.Module, topology: zeropp.Topology, mp: MixedPrecisionPolicy) -> None:
+def shard_hsdp(model: nn.Module, topology: zeropp.Topology, mp: MixedPrecisionPolicy,
+               count_all_reduce: bool = True) -> None:
     """FSDP2 hybrid sharding: shard inside each node, replicate across nodes.
 
     Its all-gathers and reduce-scatters (intra-node) go through zeropp's counting comms; the
-    gradient all-reduce across nodes is FSDP2's own, counted by its all-reduce hook, which sees
-    each unit's reduced gradient shard: an all-reduce of B bytes over N ranks is counted as a
+    gradient all-reduce across nodes is FSDP2's own, counted by its all-reduce hook
+    (``count_all_reduce``; off when zeropp takes the all-reduce over), which sees each unit's
+    reduced gradient shard: an all-reduce of B bytes over N ranks is counted as a
     reduce-scatter plus an all-gather, B/N bytes owed to each peer twice (the ledger's rule).
     """
     mesh = init_device_mesh("cpu", (topology.num_nodes, topology.ranks_per_node),
@@ -126,7 +128,7 @@ def shard_hsdp(model: nn.Module, topology: zeropp.Topology, mp: MixedPrecisionPo
     replicate = GroupInfo.of(topology, replicate_ranks, dist.get_rank(), str(dist.get_backend()))
     ledger = zeropp.comm_ledger()
 
-    def count_all_reduce(reduced: torch.Tensor) -> None:
+    def count(reduced: torch.Tensor) -> None:
         if replicate.size > 1:
             nbytes = reduced.numel() * reduced.element_size()
             ledger.record(Op.ALL_REDUCE, replicate, nbytes // replicate.size, reduced.dtype, "hsdp")
@@ -136,7 +138,25 @@ def shard_hsdp(model: nn.Module, topology: zeropp.Topology, mp: MixedPrecisionPo
         assert isinstance(module, FSDPModule)
         module.set_custom_all_gather(CountingAllGather(topology))
         module.set_custom_reduce_scatter(CountingReduceScatter(topology))
-        module.set_all_reduce_hook(count_all_reduce)
+        if count_all_reduce:
+            module.set_all_reduce_hook(count)
+
+
+def shard_tensor_parallel(model: GPT, topology: zeropp.Topology, mp: MixedPrecisionPolicy, degree: int) -> None:
+    """Tensor parallel over ``degree`` ranks of each node (every block's MLP: ``fc`` split by
+    columns, ``proj`` by rows; attention and norms replicated, as torchtitan leaves its norms),
+    then FSDP2 over the data-parallel sub-mesh, one unit per block and the root: torchtitan's 2-D
+    layout. Every rank of a tensor parallel group trains on the same rows
+    (``Trainer.data_parallel``)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    if topology.ranks_per_node % degree:
+        raise ValueError(f"tensor parallel degree {degree} must divide the {topology.ranks_per_node} ranks per node")
+    mesh = init_device_mesh("cpu", (topology.world_size // degree, degree), mesh_dim_names=("dp_shard", "tp"))
+    for block in model.blocks:
+        parallelize_module(block.mlp, mesh["tp"], {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
+    for module in [*select_units(model, None), model]:
+        fully_shard(module, mesh=mesh["dp_shard"], reshard_after_forward=True, mp_policy=mp)
 
 
 def build_model(mode: str, config: WorkerConfig, vocab_size: int, topology: zeropp.Topology) -> nn.Module:
@@ -147,14 +167,20 @@ def build_model(mode: str, config: WorkerConfig, vocab_size: int, topology: zero
                           num_layers=config.num_layers, num_heads=config.num_heads,
                           embed_dim=config.embed_dim))
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[config.param_dtype], reduce_dtype=DTYPES[config.reduce_dtype])
-    system = MODES[mode].system
-    if system is System.HSDP:
-        shard_hsdp(model, topology, mp)
-    elif system is System.ZEROPP:
-        config = MODES[mode].config(topology.ranks_per_node, param_dtype=mp.param_dtype,
-                                    reduce_dtype=mp.reduce_dtype)
+    chosen = MODES[mode]
+    if chosen.system is System.DEEPSPEED:
+        return model
+    config = chosen.config(topology.ranks_per_node, param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype)
+    if chosen.system is System.HSDP:
+        shard_hsdp(model, topology, mp, count_all_reduce=not chosen.options)
+        if chosen.options:
+            zeropp.enable(model, config, topology=topology)
+    elif chosen.tensor_parallel > 1:
+        shard_tensor_parallel(model, topology, mp, chosen.tensor_parallel)
+        zeropp.enable(model, config, topology=topology)
+    else:
         zeropp.shard(model, config, topology=topology)
-        if MODES[mode].decoded_secondary_copy:
+        if chosen.decoded_secondary_copy:
             keep_decoded_secondary_copies(model)
     return model
 
@@ -162,11 +188,13 @@ def build_model(mode: str, config: WorkerConfig, vocab_size: int, topology: zero
 class Trainer:
     """One mode's model and optimizer, and the batch rows this rank trains on."""
 
-    def __init__(self, model: nn.Module, corpus: CharCorpus, config: WorkerConfig) -> None:
+    def __init__(self, model: nn.Module, corpus: CharCorpus, config: WorkerConfig, tensor_parallel: int = 1) -> None:
         self.model, self.corpus, self.config = model, corpus, config
         self.optimizer = self.build_optimizer()
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        self.rows = slice(rank * config.batch_size // world_size, (rank + 1) * config.batch_size // world_size)
+        rank, num_ranks = dist.get_rank() // tensor_parallel, dist.get_world_size() // tensor_parallel
+        self.rows = slice(rank * config.batch_size // num_ranks, (rank + 1) * config.batch_size // num_ranks)
+        """The global batch's rows this rank's data-parallel index trains on (a tensor parallel
+        group's ranks share them)."""
 
     def step(self, step: int) -> tuple[float, float]:
         """One training step on the global batch ``step``; this rank's time (s) and local loss."""
@@ -213,7 +241,7 @@ def build_trainer(mode: Mode, model: nn.Module, corpus: CharCorpus, config: Work
     """The trainer of ``mode``."""
     if mode.system is System.DEEPSPEED:
         return DeepSpeedTrainer(model, corpus, config, mode.deepspeed_options(topology.ranks_per_node))
-    return (InBackwardTrainer if mode.gather_ahead else Trainer)(model, corpus, config)
+    return (InBackwardTrainer if mode.gather_ahead else Trainer)(model, corpus, config, mode.tensor_parallel)
 
 
 def deepspeed_config(config: WorkerConfig, world_size: int,
