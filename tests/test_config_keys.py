@@ -8,6 +8,7 @@ import pickle
 from typing import Any
 
 import pytest
+import torch
 from torch import nn
 
 import zeropp
@@ -142,10 +143,11 @@ def _sharded_by_user(**unit_options: Any) -> nn.Module:
 def _later_checks_worker(rank: int, world_size: int) -> dict[str, tuple[str, str]]:
     """Each later check's error, for the config read from DeepSpeed and for the same ZeroPPConfig
     built directly, on one rank of 2 nodes x 4 ranks (fake process group)."""
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh
 
     topology = Topology.from_world(world_size, RANKS_PER_NODE)
-    hsdp_mesh = init_device_mesh("cpu", (topology.num_nodes, RANKS_PER_NODE), mesh_dim_names=("replicate", "shard"))
+    # shard groups of 3 ranks on one node and 1 on the other: (0, 1, 2, 4) and (3, 5, 6, 7)
+    uneven_mesh = DeviceMesh("cpu", torch.tensor([[0, 1, 2, 4], [3, 5, 6, 7]]), mesh_dim_names=("replicate", "shard"))
     cases = {
         "hpz_size": (deepspeed(zero_hpz_partition_size=8), {"hpz_partition_size": 8},
                      lambda config: zeropp.shard(_model(), config, topology=topology)),
@@ -153,7 +155,7 @@ def _later_checks_worker(rank: int, world_size: int) -> dict[str, tuple[str, str
                      lambda config: zeropp.enable(_sharded_by_user(reshard_after_forward=2), config,
                                                   topology=topology)),
         "qgz_unit": (deepspeed(zero_quantized_gradients=True), {"quantized_gradients": True},
-                     lambda config: zeropp.enable(_sharded_by_user(mesh=hsdp_mesh), config, topology=topology)),
+                     lambda config: zeropp.enable(_sharded_by_user(mesh=uneven_mesh), config, topology=topology)),
         "pattern": (deepspeed(zero_quantized_weights=True, zeropp={"unquantized_parameters": ["*embed*"]}),
                     {"quantized_weights": True, "unquantized_parameters": ("*embed*",)},
                     lambda config: zeropp.shard(_model(), config, topology=topology)),
@@ -177,7 +179,7 @@ def later_errors() -> dict[str, tuple[str, str]]:
     ("hpz_size", ["hpz_partition_size"], "=8 must divide the ranks per node (4"),
     ("initialize", ["hpz_partition_size"], "=8 must divide the ranks per node (4"),
     ("hpz_unit", ["hpz_partition_size"], "=4, but unit '0' (FSDPLinear) was sharded with reshard_after_forward=2"),
-    ("qgz_unit", ["quantized_gradients"], "qgZ needs every unit sharded over the whole world"),
+    ("qgz_unit", ["quantized_gradients"], "qgZ needs a group to hold the same number of ranks on each node it spans"),
     ("pattern", ["unquantized_parameters"], " pattern '*embed*' matches no parameter"),
 ])
 def test_later_checks_name_keys_or_fields(later_errors: dict[str, tuple[str, str]], case: str, named: list[str],

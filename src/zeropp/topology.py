@@ -232,20 +232,21 @@ def _hpz_mesh(topology: Topology, hpz_partition_size: int, intra: dist.ProcessGr
 
 def place_on_nodes(world: Topology, ranks: Sequence[int]) -> Topology:
     """[Note: shard groups on nodes]
-    qgZ's two hops need a group laid out as the world is: its ranks, in group order, fill its
-    nodes one after the other, the same number on each. A tensor parallel x FSDP mesh built
-    data parallel first (``init_device_mesh(.., ("dp_shard", "tp"))``, as torchtitan does) gives
-    that: with TP degree t dividing the node's D ranks, the data-parallel group holds D / t ranks
-    of each node (one per node when TP fills it: qgZ is then one quantized all-to-all across
-    nodes). HSDP's shard group inside a node is one node of D ranks (hop 1 only). Any other
-    placement is refused with the layout it has."""
+    qgZ's two hops need a group laid out as the world is: N nodes of the same number D' of its
+    ranks. A group's ranks are in ascending global order (``new_group`` sorts them), so they
+    fill its nodes one after the other; what is left to check is the count per node. A tensor
+    parallel x FSDP mesh (``init_device_mesh(.., ("dp_shard", "tp"))``, as torchtitan builds it)
+    gives that: with TP degree t dividing the node's D ranks, the data-parallel group holds D / t
+    ranks of each node (one per node when TP fills it: qgZ is then one quantized all-to-all
+    across nodes). HSDP's shard group inside a node is one node of D ranks (hop 1 only). A group
+    with more ranks on some nodes than others is refused, with its layout."""
     nodes = [world.node_of(rank) for rank in ranks]
     spanned = list(dict.fromkeys(nodes))
     per_node = len(ranks) // len(spanned)
     if nodes != [node for node in spanned for _ in range(per_node)] or len(set(ranks)) != len(ranks):
         raise ValueError(
-            f"the group of ranks {list(ranks)} sits on nodes {nodes} (nodes of {world.ranks_per_node} ranks): qgZ "
-            "needs a group's ranks to fill its nodes in order, the same number on each (build the mesh with "
+            f"the group of ranks {list(ranks)}, on nodes {nodes} (nodes of {world.ranks_per_node} ranks): qgZ "
+            "needs a group to hold the same number of ranks on each node it spans (build the mesh with "
             "init_device_mesh, the data-parallel dimensions first)")
     return Topology(num_nodes=len(spanned), ranks_per_node=per_node)
 
