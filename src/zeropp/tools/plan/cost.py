@@ -8,7 +8,9 @@ bytes over the slowest link it loads:
 - a ring sends ``rounds x (g - 1) x c`` bytes over every edge at once (an all-reduce, and gloo's
   reduce-scatter, which is an all-reduce underneath, take two rounds; NCCL's reduce-scatter
   one); a ring over the world has one edge out of each node, so it pays that many bytes over
-  the node link and, inside the node, over the rank's link, whichever is slower;
+  the node link and, inside the node, over the rank's link, whichever is slower; the data-parallel
+  groups of a tensor parallel layout (D / t ranks on each node) run t such rings at once, each
+  with its edge out of each node: the node link carries t of them;
 - an all-to-all inside the node sends ``(g - 1) x c`` from every rank over its own link; across
   nodes, every rank of a node sends its share to remote ranks at once through the node link;
 - a collective among one rank per node (qgZ's second hop, HSDP's all-reduce) runs on every local
@@ -29,7 +31,8 @@ streams, less where communication kernels slow compute or prefetching stalls. Wi
 the same whatever the order. With CPU offload a unit's host-to-device copies join its gathers
 and its device-to-host copy its reduce-scatter ([Note: CPU offload in a step] in
 ``zeropp.tools.plan.offload``); with the optimizer on the host its copies follow backward, outside
-this schedule ([Note: the optimizer on the host in a step] there).
+this schedule ([Note: the optimizer on the host in a step] there). Tensor parallel's all-reduces
+sit between a unit's products, which wait for them: they join the unit's compute in its slot.
 """
 
 from __future__ import annotations
@@ -39,10 +42,18 @@ from dataclasses import dataclass, field
 
 from zeropp.config import ZeroPPConfig
 from zeropp.ledger import GroupKind, Op
+from zeropp.tools.plan.layout import Layout, layout_for
 from zeropp.tools.plan.memory import RankMemory, rank_memory
 from zeropp.tools.plan.model import ModelShape
 from zeropp.tools.plan.offload import copy_seconds, step_copies
-from zeropp.tools.plan.traffic import Precision, Transfer, offloads_shards, padded_numels, step_transfers
+from zeropp.tools.plan.traffic import (
+    Precision,
+    Transfer,
+    offloads_shards,
+    padded_numels,
+    step_transfers,
+    tensor_parallel_transfers,
+)
 from zeropp.topology import Topology
 
 GBIT = 1e9 / 8
@@ -143,10 +154,11 @@ def link_bytes(t: Transfer, topology: Topology, backend: str) -> tuple[float, fl
         return sent, 0.0
     if t.kind is GroupKind.INTER:  # one group per local index, all at once
         return 0.0, topology.ranks_per_node * sent
+    per_node = t.group_size // topology.num_nodes  # the world's D, or D / t of a data-parallel group
     if t.op is Op.ALL_TO_ALL:
-        remote = t.group_size - topology.ranks_per_node
+        remote = t.group_size - per_node
         return sent, topology.ranks_per_node * remote * t.bytes_per_peer
-    return sent, sent  # a ring over the world: one edge out of each node
+    return sent, topology.ranks_per_node // per_node * sent  # each group's ring: one edge out of each node
 
 
 def transfer_seconds(t: Transfer, topology: Topology, machine: Machine) -> float:
@@ -200,29 +212,44 @@ def unit_compute_s(model: ModelShape, workload: Workload, machine: Machine) -> l
     return [seconds * unit.num_parameters / total for unit in model.units]
 
 
-def sharded_parameters(model: ModelShape, config: ZeroPPConfig | None, topology: Topology) -> float:
-    """Parameters one rank holds and updates (padding included); HSDP shards inside the node."""
-    shard_size = topology.ranks_per_node if config is None else topology.world_size
-    return sum(sum(padded_numels(unit, shard_size)) for unit in model.units) / shard_size
+def sharded_parameters(model: ModelShape, config: ZeroPPConfig | None, topology: Topology,
+                       layout: Layout | None = None) -> float:
+    """Parameters one rank holds and updates (padding included), over its shard group
+    (``layout.layout_for``: HSDP's inside the node; a tensor parallel rank's 1/t)."""
+    layout = layout_for(config, layout)
+    shard_size = layout.shard_group(topology).world_size
+    return sum(sum(padded_numels(unit, shard_size)) for unit in layout.local_units(model)) / shard_size
 
 
 def step_time(model: ModelShape, config: ZeroPPConfig | None, topology: Topology, workload: Workload,
-              machine: Machine) -> StepTime:
-    """One training step of ``model`` in a mode (``config``; None for HSDP) on ``machine``."""
+              machine: Machine, layout: Layout | None = None) -> StepTime:
+    """One training step of ``model`` in a mode (``config``; None for FSDP2's own, ``layout``:
+    see ``layout.layout_for``) on ``machine``. Tensor parallel's all-reduces run between its
+    products, in the compute's own time: they add to it ([Note: overlap])."""
+    layout = layout_for(config, layout)
     per_unit = [[t for t in unit if not t.background] for unit in step_transfers(model, config, topology,
-                                                                                    workload.precision)]
+                                                                                    workload.precision, layout)]
     compute = unit_compute_s(model, workload, machine)
     comm = [{phase: sum(transfer_seconds(t, topology, machine) for t in unit if _phase(t) == phase)
              for phase in ("forward_gather", "backward_gather", "reduce")} for unit in per_unit]
-    total_comm = sum(sum(c.values()) for c in comm)
+    tensor_parallel = [{phase: sum(transfer_seconds(t, topology, machine) for t in unit if t.phase == phase)
+                        for phase in ("forward", "backward")}
+                       for unit in tensor_parallel_transfers(model, topology, layout, workload.precision,
+                                                             workload.batch_per_rank, workload.context_length,
+                                                             workload.activation_checkpointing)]
+    total_comm = sum(sum(c.values()) for c in comm) + sum(sum(c.values()) for c in tensor_parallel)
     host_copy, pageable = _add_host_copies(comm, model, config, topology, machine)
     idle = {"forward_gather": 0.0, "backward_gather": 0.0, "reduce": 0.0}
     comm += [idle] * (len(compute) - len(comm))
     compute += [0.0] * (len(comm) - len(compute))
+    tensor_parallel += [{"forward": 0.0, "backward": 0.0}] * (len(compute) - len(tensor_parallel))
     cross = sum(transfer_seconds(t, topology, machine) for unit in per_unit for t in unit
                 if link_bytes(t, topology, machine.backend)[1] > 0)
-    step = _overlapped(compute, comm, workload, machine.overlap) + pageable
-    optimizer = sharded_parameters(model, config, topology) * machine.update_s_per_parameter
+    forward_share = (1 / 4) if workload.activation_checkpointing else (1 / 3)
+    forward = [c * forward_share + tp["forward"] for c, tp in zip(compute, tensor_parallel)]
+    backward = [c * (1 - forward_share) + tp["backward"] for c, tp in zip(compute, tensor_parallel)]
+    step = _overlapped(forward, backward, comm, machine.overlap) + pageable
+    optimizer = sharded_parameters(model, config, topology, layout) * machine.update_s_per_parameter
     return StepTime(step + optimizer, sum(compute), optimizer, total_comm, cross, host_copy)
 
 
@@ -248,46 +275,46 @@ def _phase(t: Transfer) -> str:
     return "reduce"
 
 
-def _overlapped(compute: list[float], comm: list[dict[str, float]], workload: Workload, overlap: float) -> float:
-    """FSDP2's prefetching schedule ([Note: overlap]) over the units in the order given: the first
-    gather and the last reduce-scatter are exposed; every other collective runs during a unit's
-    compute, and the slot takes the longer of the two plus the part of the shorter that does
-    not overlap (``1 - overlap``)."""
+def _overlapped(forward_work: list[float], backward_work: list[float], comm: list[dict[str, float]],
+                overlap: float) -> float:
+    """FSDP2's prefetching schedule ([Note: overlap]) over the units in the order given, each with
+    its forward's and its backward's work: the first gather and the last reduce-scatter are
+    exposed; every other collective runs during a unit's work, and the slot takes the longer of
+    the two plus the part of the shorter that does not overlap (``1 - overlap``)."""
     def slot(work: float, hidden: float) -> float:
         return max(work, hidden) + (1 - overlap) * min(work, hidden)
 
-    n = len(compute)
-    forward_share = (1 / 4) if workload.activation_checkpointing else (1 / 3)
+    n = len(forward_work)
     forward = comm[0]["forward_gather"]
     for i in range(n):
         ahead = comm[i + 1]["forward_gather"] if i + 1 < n else 0.0
-        forward += slot(compute[i] * forward_share, ahead)
+        forward += slot(forward_work[i], ahead)
     backward = comm[n - 1]["backward_gather"]
     for i in reversed(range(n)):
         ahead = comm[i - 1]["backward_gather"] if i > 0 else 0.0
         behind = comm[i + 1]["reduce"] if i + 1 < n else 0.0
-        backward += slot(compute[i] * (1 - forward_share), ahead + behind)
+        backward += slot(backward_work[i], ahead + behind)
     return forward + backward + comm[0]["reduce"]
 
 
 def memory(model: ModelShape, config: ZeroPPConfig | None, topology: Topology, workload: Workload,
-           rank: int = 0) -> RankMemory:
+           rank: int = 0, layout: Layout | None = None) -> RankMemory:
     """Peak bytes on ``rank`` in one step, by what they are (``zeropp.tools.plan.memory``)."""
     return rank_memory(model, config, topology, workload.precision, workload.batch_per_rank, workload.context_length,
-                       rank, workload.activation_checkpointing)
+                       rank, workload.activation_checkpointing, layout)
 
 
 def tokens_per_s(model: ModelShape, config: ZeroPPConfig | None, topology: Topology, workload: Workload,
-                 machine: Machine) -> float:
+                 machine: Machine, layout: Layout | None = None) -> float:
     """Training throughput of the whole cluster."""
     return topology.world_size * workload.tokens_per_rank / step_time(model, config, topology, workload,
-                                                                       machine).step_s
+                                                                       machine, layout).step_s
 
 
 def achieved_flops(model: ModelShape, config: ZeroPPConfig | None, topology: Topology, workload: Workload,
-                   machine: Machine) -> float:
+                   machine: Machine, layout: Layout | None = None) -> float:
     """FLOP/s per rank (``step_flops`` over the step's time)."""
-    return step_flops(model, workload) / step_time(model, config, topology, workload, machine).step_s
+    return step_flops(model, workload) / step_time(model, config, topology, workload, machine, layout).step_s
 
 
 def cross_node_bytes_per_node(transfers: Sequence[Transfer], topology: Topology, backend: str = "nccl") -> float:

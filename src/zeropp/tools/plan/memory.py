@@ -22,7 +22,8 @@ walks the units:
   the unit's unsharded gradients (unpadded, gather dtype), then its reduce-scatter: the unit's
   weights freed, the previous unit's reduce-scatter input released (FSDP2 keeps the last one
   until the next reduce-scatter), the padded input in the reduce dtype filled from the gradients,
-  and what the comm allocates: nothing for FSDP2's own, for qgZ [Note: qgZ's buffers]. The
+  and what the comm allocates: nothing for FSDP2's own, for qgZ [Note: qgZ's buffers], for the
+  replicas' reduction [Note: the replicas' buffers] after the shard group's (the larger). The
   gradients are freed once copied, except a head's, final norm's or embedding's in a unit of
   its own (``UnitShape.is_single_layer``), held until the reduce-scatter returns;
 - the optimizer step: every gradient beside AdamW's temporaries.
@@ -38,6 +39,13 @@ states off the device and adds each gather's copy-in ([Note: CPU offload in a st
 ``zeropp.tools.plan.offload``); the optimizer on the host takes AdamW's states and the step's
 temporaries off it ([Note: the optimizer on the host in a step] there).
 
+On a 2-D layout ([Note: 2-D layouts in the plan] in ``zeropp.tools.plan.layout``) the shard group
+is the unit's data-parallel group (W / t ranks, or HSDP's node) and the unit what one tensor
+parallel rank holds: shards, gradients, AdamW's states and gathered units are 1/t of what the
+same shard group would hold of the whole model. The activations are those of the t x batch
+sequences of the tensor parallel group, of which the split layers keep 1/t
+(``ModelShape.block_activation_bytes``), the loss's logits split by vocabulary.
+
 [Note: qgZ's buffers]
 qgZ runs over column slices of the W rows of S elements (``ZeroPPConfig.grad_slice_bytes``: s
 columns, at most that many bytes of fp32 rows; all S without it), coding each peer's rows
@@ -45,7 +53,18 @@ straight from the input. Hop 1 (inside the node, when a node has several ranks) 
 packed rows it sends to its D - 1 node peers (W - N rows) and as many received, then decodes
 one peer's N rows at a time into one buffer and adds them to N partial rows: its largest
 moment is max(2 x packed, packed + 2 x N x s x 4). Hop 2 does the same with the N partial
-rows (N - 1 sent, one row from each node), while they stay alive.
+rows (N - 1 sent, one row from each node), while they stay alive. N and D are the shard
+group's (``Layout.shard_group``): the world's in 1-D.
+
+[Note: the replicas' buffers]
+HSDP with ``quantized_replica_gradients`` (``zeropp.replicas``' [Note: the replicas' reduction]),
+after the shard group's reduce-scatter: the chunk copied as R rows of s elements in fp32 (each
+parameter's slice cut in R parts, rounded up; while the copy is made, the chunk cast to fp32
+when the reduce dtype is not), the reduced row (s x 4), and then either qgZ's one hop across the
+replicas (the R - 1 packed rows sent and as many received, or the sent rows beside a decoded
+row and their sum: max(2 x packed, packed + 2 x s x 4)) or the all-gather (this rank's packed
+row and the R received, decoded into the R rows). Not counted: the per-parameter padding
+temporaries while the rows are cut.
 """
 
 from __future__ import annotations
@@ -57,15 +76,18 @@ import torch
 
 from zeropp.codes.codec import payload_bytes, segments_for
 from zeropp.config import ZeroPPConfig
+from zeropp.tools.plan.layout import Layout, layout_for
 from zeropp.tools.plan.model import ModelShape, UnitShape
 from zeropp.tools.plan.traffic import (
     Precision,
     backward_gathers_from_shard,
+    gathered_quantized,
     keeps_codes,
     keeps_secondary_copy,
     offloads_optimizer,
     offloads_shards,
     padded_numels,
+    replica_row,
     secondary_copy_bytes,
 )
 from zeropp.topology import Topology
@@ -164,9 +186,10 @@ def _gather_bytes(padded: list[int], quantize: list[bool], group: int, config: Z
     return whole + (group + 1) * payload_bytes(segments, config.block_size, gather_dtype)
 
 
-def _qgz_bytes(trainable: list[int], config: ZeroPPConfig, topology: Topology) -> float:
-    """qgZ's buffers at their largest moment ([Note: qgZ's buffers])."""
-    world, nodes, per_node = topology.world_size, topology.num_nodes, topology.ranks_per_node
+def _qgz_bytes(trainable: list[int], config: ZeroPPConfig, shard: Topology) -> float:
+    """qgZ's buffers at their largest moment ([Note: qgZ's buffers]) over the shard group as
+    placed on nodes (``Layout.shard_group``)."""
+    world, nodes, per_node = shard.world_size, shard.num_nodes, shard.ranks_per_node
     chunk = sum(trainable) // world
     columns = chunk if config.grad_slice_bytes is None else min(chunk, max(1, config.grad_slice_bytes // (4 * world)))
     grouped = config.gradient_code.grouped_scales
@@ -187,31 +210,54 @@ def _qgz_bytes(trainable: list[int], config: ZeroPPConfig, topology: Topology) -
     return peak
 
 
+def _replica_bytes(chunk_numels: list[int], config: ZeroPPConfig, num_replicas: int, reduce_dtype: torch.dtype
+                   ) -> float:
+    """The replicas' reduction's buffers at their largest moment ([Note: the replicas' buffers])."""
+    row = replica_row(chunk_numels, config, num_replicas)
+    rows = num_replicas * row.numel * 4
+    cast = sum(chunk_numels) * 4 if reduce_dtype != torch.float32 else 0
+    packed = (num_replicas - 1) * row.nbytes
+    exchange = max(2 * packed, packed + 2 * row.numel * 4)
+    gather = (1 + num_replicas) * row.nbytes
+    return rows + max(cast, row.numel * 4 + max(exchange, gather))
+
+
 def unit_bytes(unit: UnitShape, model: ModelShape, config: ZeroPPConfig | None, topology: Topology,
                precision: Precision, rank: int, tokens: tuple[int, int], last: bool,
-               checkpointing: bool = False) -> UnitBytes:
-    """``unit``'s costs on ``rank`` (``config`` None: FSDP2's HSDP, sharded inside the node);
-    ``tokens``: (batch, context); ``last``: it computes the loss."""
-    shard_size = topology.ranks_per_node if config is None else topology.world_size
+               checkpointing: bool = False, layout: Layout | None = None) -> UnitBytes:
+    """``unit``'s costs on ``rank``: ``unit`` as the rank holds it before FSDP2 shards it (one
+    tensor parallel rank's shapes, ``Layout.local_units``), ``config`` None FSDP2's own (HSDP
+    unless ``layout`` says otherwise, ``layout.layout_for``); ``tokens``: (batch, context) per
+    rank, a tensor parallel group training t x batch sequences; ``last``: it computes the loss."""
+    layout = layout_for(config, layout)
+    shard = layout.shard_group(topology)
+    shard_size, replicas, degree = shard.world_size, layout.num_replicas(topology), layout.tensor_parallel
     padded = padded_numels(unit, shard_size)
     gather_dtype, reduce_size = precision.gather_dtype, precision.reduce_dtype.itemsize
-    local = [local_rows(shape[0], shard_size, rank % shard_size) * math.prod(shape[1:]) for shape in unit.shapes]
+    index = layout.shard_index(rank, topology)
+    local = [local_rows(shape[0], shard_size, index) * math.prod(shape[1:]) for shape in unit.shapes]
     trainable = [n for n, t in zip(padded, unit.trainable) if t]
-    quantize = [config is not None and (config.quantized_weights or (config.quantized_nontrainable_weights and not t))
-                for t in unit.trainable]
+    quantize = gathered_quantized(unit, config, topology, shard)
     secondary = keeps_secondary_copy(config, topology)
     codes = secondary and keeps_codes(quantize, config, topology)
     backward_group = config.hpz_partition_size if secondary and not codes else shard_size
     backward_quantize = (quantize if not secondary or codes or config.quantize_intra_node_weights
                          else [False] * len(quantize))
     batch, context = tokens
+    sequences = degree * batch
     whole_gradients = sum(math.prod(s) for s, t in zip(unit.shapes, unit.trainable) if t) * gather_dtype.itemsize
-    activations = model.block_activation_bytes(batch, context, gather_dtype.itemsize) if unit.is_block else 0.0
+    activations = model.block_activation_bytes(sequences, context, gather_dtype.itemsize,
+                                               degree) if unit.is_block else 0.0
     recompute = activations if checkpointing else 0.0
     if checkpointing and unit.is_block:
-        activations = batch * context * model.embed_dim * gather_dtype.itemsize
+        activations = sequences * context * model.embed_dim * gather_dtype.itemsize
     if last:
-        activations += model.head_activation_bytes(batch, context)
+        activations += model.head_activation_bytes(sequences, context, degree)
+    reducing = _qgz_bytes(trainable, config, shard) if config is not None and config.quantized_gradients \
+        and trainable else 0.0
+    if config is not None and config.quantized_replica_gradients and replicas > 1 and trainable:
+        chunks = [n // shard_size for n in trainable]
+        reducing = max(reducing, _replica_bytes(chunks, config, replicas, precision.reduce_dtype))
     copy_in = sum(padded) / shard_size * gather_dtype.itemsize if offloads_shards(config) else 0.0
     return UnitBytes(
         name=unit.name,
@@ -225,13 +271,12 @@ def unit_bytes(unit: UnitShape, model: ModelShape, config: ZeroPPConfig | None, 
         gather_backward=_gather_bytes(padded, backward_quantize, backward_group, config, gather_dtype)
         if padded else 0.0,
         reduce_input=sum(trainable) * reduce_size,
-        reducing=_qgz_bytes(trainable, config, topology) if config is not None and config.quantized_gradients
-        and trainable else 0.0,
+        reducing=reducing,
         held_gradients=whole_gradients if unit.is_single_layer else 0.0,
         activations=activations,
         recompute=recompute,
-        loss=6 * batch * context * model.vocab_size if last else 0.0,
-        loss_gradients=8 * batch * context * model.vocab_size if last else 0.0,
+        loss=6 * sequences * context * model.vocab_size // degree if last else 0.0,
+        loss_gradients=8 * sequences * context * model.vocab_size // degree if last else 0.0,
         largest_local=max((n for n, t in zip(local, unit.trainable) if t), default=0) * PARAMETER_BYTES,
         copy_in=copy_in,
         copy_in_backward=copy_in if backward_gathers_from_shard(config, topology) else 0.0,
@@ -315,15 +360,18 @@ def _backward(timeline: _Timeline, blocks: list[UnitBytes]) -> None:
 
 
 def rank_memory(model: ModelShape, config: ZeroPPConfig | None, topology: Topology, precision: Precision,
-                batch: int, context_length: int, rank: int = 0, checkpointing: bool = False) -> RankMemory:
+                batch: int, context_length: int, rank: int = 0, checkpointing: bool = False,
+                layout: Layout | None = None) -> RankMemory:
     """The peak of one training step on ``rank`` ([Note: a rank's memory through a step]): ``model``
-    trained in a mode (``config``; None for FSDP2's HSDP) on ``batch`` sequences of
-    ``context_length`` tokens per rank, AdamW; ``checkpointing``: activation checkpointing of
-    every block."""
-    with_parameters = [u for u in model.units if u.shapes]
+    trained in a mode (``config``; None for FSDP2's own, ``layout``: see ``layout.layout_for``) on
+    ``batch`` sequences of ``context_length`` tokens per rank, AdamW; ``checkpointing``:
+    activation checkpointing of every block."""
+    layout = layout_for(config, layout)
+    local_units = layout.local_units(model)
+    with_parameters = [u for u in local_units if u.shapes]
     last = with_parameters[-1] if with_parameters else None
     units = [unit_bytes(u, model, config, topology, precision, rank, (batch, context_length), u is last,
-                        checkpointing) for u in model.units]
+                        checkpointing, layout) for u in local_units]
     *blocks, root = units
     blocks = [u for u in blocks if u.has_parameters]
     timeline = _Timeline(sum(u.shard for u in units), sum(u.optimizer for u in units), config)

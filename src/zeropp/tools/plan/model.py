@@ -80,24 +80,31 @@ class ModelShape:
             return self.num_layers * s * b * h * itemsize + per_layer + logits
         return self.num_layers * per_layer + logits
 
-    def block_activation_bytes(self, batch: int, context_length: int, itemsize: int = 2) -> float:
-        """What one block saves for backward. GPT: Korthikanti et al.'s 34 s b h + 5 a s^2 b bytes
-        (16-bit), scaled by ``itemsize`` / 2. Llama (Hugging Face's, 16-bit compute, SDPA; counted
-        from the tensors autograd saves): per token each RMSNorm keeps its fp32 input, its
-        reciprocal root and two 16-bit copies (8h + 4 bytes), attention the rotated queries, keys
-        and values, its output and fp32 log-sum-exp (4h + 4 h_kv + 4a), the SwiGLU MLP four
-        tensors of its inner width (8f): 20h + 4 h_kv + 4a + 8f + 8 bytes per token."""
-        tokens, h = batch * context_length, self.embed_dim
+    def block_activation_bytes(self, batch: int, context_length: int, itemsize: int = 2,
+                               tensor_parallel: int = 1) -> float:
+        """What one block saves for backward, on one rank of a tensor parallel group of
+        ``tensor_parallel`` (t) ranks splitting its attention heads and MLP (Megatron's split, no
+        sequence parallelism). GPT: Korthikanti et al.'s s b h (10 + 24 / t) + 5 a s^2 b / t bytes
+        (16-bit; their section 4.2, equation 2: 34 s b h + 5 a s^2 b without tensor parallel), scaled by
+        ``itemsize`` / 2. Llama (Hugging Face's, 16-bit compute, SDPA; counted from the tensors
+        autograd saves): per token each RMSNorm keeps its fp32 input, its reciprocal root and two
+        16-bit copies (8h + 4 bytes, whole on every rank), attention the rotated queries, keys and
+        values, its output and fp32 log-sum-exp (4h + 4 h_kv + 4a, split), the SwiGLU MLP four
+        tensors of its inner width (8f, split): 16h + 8 + (4h + 4 h_kv + 4a + 8f) / t bytes per
+        token."""
+        tokens, h, t = batch * context_length, self.embed_dim, tensor_parallel
         if self.architecture != "llama":
-            return (34 * tokens * h + 5 * self.num_heads * context_length * tokens) * itemsize / 2
+            return (10 * t * tokens * h + 24 * tokens * h + 5 * self.num_heads * context_length * tokens) * itemsize / (
+                2 * t)
         kv_dim = self.num_kv_heads * h // self.num_heads
-        return tokens * (20 * h + 4 * kv_dim + 4 * self.num_heads + 8 * self.ffn_dim + 8)
+        return tokens * (t * (16 * h + 8) + 4 * h + 4 * kv_dim + 4 * self.num_heads + 8 * self.ffn_dim) / t
 
-    def head_activation_bytes(self, batch: int, context_length: int) -> float:
+    def head_activation_bytes(self, batch: int, context_length: int, tensor_parallel: int = 1) -> float:
         """What the final norm and the loss save for backward: the fp32 log-probabilities over the
-        vocabulary (4 V bytes per token) and, for Llama, the final RMSNorm's 8h + 4."""
+        vocabulary (4 V bytes per token; split by vocabulary over ``tensor_parallel`` ranks) and,
+        for Llama, the final RMSNorm's 8h + 4 (whole)."""
         norm = 8 * self.embed_dim + 4 if self.architecture == "llama" else 0
-        return batch * context_length * (4 * self.vocab_size + norm)
+        return batch * context_length * (4 * self.vocab_size + tensor_parallel * norm) / tensor_parallel
 
 
 def from_module(model: nn.Module, units: list[nn.Module] | None = None, *, name: str, num_layers: int,

@@ -10,19 +10,26 @@ rank's chunk of a unit is the sum of ``ceil(d0 / G) * rest`` over its parameters
 
 - ZeRO-3: both gathers and the reduce-scatter run on the world.
 - HSDP: the unit is sharded inside the node; gathers and reduce-scatter run on the node, and the
-  reduced shard is all-reduced across nodes.
-- qwZ: the gathers send each parameter's slice block-quantized (``zeropp.codes.codec``'s payload).
+  reduced shard is all-reduced across nodes, or with ``quantized_replica_gradients`` reduced by
+  the replicas' all-to-all and all-gather in ``grad_bits_inter`` bits.
+- Tensor parallel x FSDP: the unit's shapes on one tensor parallel rank, sharded over its
+  data-parallel group ([Note: 2-D layouts in the plan] in ``zeropp.tools.plan.layout``).
+- qwZ: the gathers send each parameter's slice block-quantized (``zeropp.codes.codec``'s payload);
+  a gather whose group sits inside one node (HSDP's) goes in full precision, labelled hpZ, unless
+  ``quantize_intra_node_weights``.
 - hpZ: the backward gather runs inside the node from the secondary copy: in full precision, or
   with qwZ as the payload rows the copy is kept as (each rank's world rows of the forward gather,
   [Note: hpZ's copy as qwZ's codes] in ``zeropp.hpz``). A partition of the whole world (one node)
   keeps no copy (``zeropp.topology``'s [Note: one node mesh]): the step is the mode's without hpZ.
-- qgZ: the reduce-scatter becomes two all-to-alls; a rank sends each node peer the N chunks it
-  owes that peer's local index, then each remote node one chunk, never its own rows.
+- qgZ: the reduce-scatter becomes two all-to-alls over the shard group as placed on nodes; a
+  rank sends each node peer the N chunks it owes that peer's local index, then each remote node
+  one chunk, never its own rows (one hop where the group has one node or one rank per node).
 - Every zeropp mode: one byte per parameter of each trainable unit, all-reduced in backward
   (which ranks had a gradient, ``zeropp.unused``).
 
 A 0-dim parameter is kept whole on every rank and its gradient all-reduced after each backward
-(``zeropp.scalars``).
+(``zeropp.scalars``). Tensor parallel's own all-reduces are DTensor's, not the ledger's:
+``tensor_parallel_transfers`` prices them apart.
 """
 
 from __future__ import annotations
@@ -38,8 +45,13 @@ from zeropp.codes.codec import payload_bytes, segments_for
 from zeropp.config import ZeroPPConfig
 from zeropp.ledger import COUNTS, GroupKind, Op
 from zeropp.qwz import has_two_hops
+from zeropp.tools.plan.layout import Layout, group_kind, layout_for
 from zeropp.tools.plan.model import ModelShape, UnitShape
 from zeropp.topology import Topology
+
+FSDP2_OWN = ZeroPPConfig()
+"""FSDP2's own collectives (``config`` None), priced as zeropp's without a technique: the same
+bytes, without zeropp's presence exchange."""
 
 
 @dataclass(frozen=True)
@@ -85,17 +97,26 @@ def padded_numels(unit: UnitShape, group_size: int) -> list[int]:
     return [math.ceil(shape[0] / group_size) * group_size * math.prod(shape[1:]) for shape in unit.shapes]
 
 
-def unit_transfers(unit: UnitShape, config: ZeroPPConfig | None, topology: Topology,
-                   precision: Precision) -> list[Transfer]:
-    """The collectives of one unit in one step; ``config`` None is FSDP2's HSDP."""
+def unit_transfers(unit: UnitShape, config: ZeroPPConfig | None, topology: Topology, precision: Precision,
+                   layout: Layout | None = None) -> list[Transfer]:
+    """The collectives of one unit in one step; ``config`` None is FSDP2's own, on HSDP unless
+    ``layout`` says otherwise (``layout.layout_for``). ``unit``: what one rank holds of it before
+    FSDP2 shards it (one tensor parallel rank's shapes, ``Layout.local_units``)."""
     if not unit.shapes:
         return []
-    if config is None:
-        return _hsdp_transfers(unit, topology, precision)
-    world = topology.world_size
-    padded = padded_numels(unit, world)
-    gather = _gathers(unit, padded, config, topology, precision)
-    return [*gather, *_reduce(unit, padded, config, topology, precision), *_presence(unit, topology)]
+    layout = layout_for(config, layout)
+    shard = layout.shard_group(topology)
+    padded = padded_numels(unit, shard.world_size)
+    fsdp = config if config is not None else FSDP2_OWN
+    transfers = [*_gathers(unit, padded, fsdp, topology, shard, precision),
+                 *_reduce(unit, padded, fsdp, topology, shard, precision),
+                 *_replicas(unit, padded, config, topology, layout, precision)]
+    return transfers if config is None else [*transfers, *_presence(unit, topology)]
+
+
+def shard_kind(topology: Topology, shard: Topology) -> GroupKind:
+    """The link class of a unit's shard group (``Layout.shard_group``)."""
+    return group_kind(topology, shard.num_nodes, shard.ranks_per_node)
 
 
 def _presence(unit: UnitShape, topology: Topology) -> list[Transfer]:
@@ -124,6 +145,17 @@ def _quantized(unit: UnitShape, config: ZeroPPConfig) -> list[bool]:
     """Which of the unit's parameters qwZ quantizes."""
     return [config.quantized_weights or (config.quantized_nontrainable_weights and not trainable)
             for trainable in unit.trainable]
+
+
+def gathered_quantized(unit: UnitShape, config: ZeroPPConfig | None, topology: Topology,
+                       shard: Topology) -> list[bool]:
+    """Which of the unit's parameters its gathers over the shard group send quantized: qwZ's,
+    unless the group sits inside one node and ``quantize_intra_node_weights`` is off (qwZ's comm
+    sends those in full precision)."""
+    if config is None:
+        return [False] * len(unit.shapes)
+    inside = shard_kind(topology, shard) is GroupKind.INTRA and not config.quantize_intra_node_weights
+    return [quantized and not inside for quantized in _quantized(unit, config)]
 
 
 def keeps_secondary_copy(config: ZeroPPConfig | None, topology: Topology) -> bool:
@@ -178,16 +210,17 @@ def backward_gathers_from_shard(config: ZeroPPConfig | None, topology: Topology)
     return not keeps_secondary_copy(config, topology)
 
 
-def _gathers(unit: UnitShape, padded: list[int], config: ZeroPPConfig, topology: Topology,
+def _gathers(unit: UnitShape, padded: list[int], config: ZeroPPConfig, topology: Topology, shard: Topology,
              precision: Precision) -> list[Transfer]:
-    world, itemsize = topology.world_size, precision.gather_dtype.itemsize
-    quantized = _quantized(unit, config)
-    if any(quantized):
-        world_gather = _quantized_gather(padded, quantized, world, config, precision)
-    else:
-        world_gather = _Payload(sum(padded) // world * itemsize, "fsdp", _dtype_name(precision.gather_dtype))
+    size, itemsize = shard.world_size, precision.gather_dtype.itemsize  # the world in 1-D
+    quantized, sent = _quantized(unit, config), gathered_quantized(unit, config, topology, shard)
+    if any(sent):
+        world_gather = _quantized_gather(padded, sent, size, config, precision)
+    else:  # qwZ's comm labels a full-precision gather inside the node hpZ; FSDP2's own comm is "fsdp"
+        world_gather = _Payload(sum(padded) // size * itemsize, "hpZ" if any(quantized) else "fsdp",
+                                _dtype_name(precision.gather_dtype))
     nodes, per_node = topology.num_nodes, topology.ranks_per_node
-    if any(quantized) and config.hierarchical_gather and has_two_hops(topology):
+    if any(sent) and config.hierarchical_gather and shard == topology and has_two_hops(topology):
         # qwZ's two hops ([Note: two-hop gather]): the chunk to every node, then the node's
         # chunks to the node's ranks; the codec work is booked on the first
         across = world_gather.gather(GroupKind.INTER, nodes, "")
@@ -195,16 +228,16 @@ def _gathers(unit: UnitShape, padded: list[int], config: ZeroPPConfig, topology:
             GroupKind.INTRA, per_node, "")
         world_hops = [across, inside]
     else:
-        world_hops = [world_gather.gather(GroupKind.WORLD, world, "")]
+        world_hops = [world_gather.gather(shard_kind(topology, shard), size, "")]
     forward = [replace(t, phase="forward") for t in world_hops]
     if not keeps_secondary_copy(config, topology):
         return [*forward, *(replace(t, phase="backward") for t in world_hops)]
     hpz = config.hpz_partition_size
     if keeps_codes(quantized, config, topology):
         # the copy's rows, the world's chunks in the forward's payload, decoded after
-        rows = world // hpz
+        rows = size // hpz
         node_gather = _Payload(rows * world_gather.bytes_per_peer, "hpZ", world_gather.dtype,
-                               world_gather.coded_elements // (1 + world) * world)
+                               world_gather.coded_elements // (1 + size) * size)
     elif any(quantized) and config.quantize_intra_node_weights:
         node_gather = _quantized_gather(padded, quantized, hpz, config, precision)
     else:
@@ -224,79 +257,133 @@ def _quantized_gather(padded: list[int], quantized: list[bool], group_size: int,
                     f"int{config.weight_bits}", (1 + group_size) * coded)
 
 
-def _reduce(unit: UnitShape, padded: list[int], config: ZeroPPConfig, topology: Topology,
+def _reduce(unit: UnitShape, padded: list[int], config: ZeroPPConfig, topology: Topology, shard: Topology,
             precision: Precision) -> list[Transfer]:
-    world = topology.world_size
+    """The reduce-scatter over the shard group: FSDP2's, or qgZ's hops as the group sits on nodes
+    (inside its node, then across its nodes)."""
+    size = shard.world_size
     trainable = [numel for numel, t in zip(padded, unit.trainable) if t]
     if not trainable:
         return []
-    chunk = sum(trainable) // world
+    chunk = sum(trainable) // size
     if not config.quantized_gradients:
-        return [Transfer(Op.REDUCE_SCATTER, GroupKind.WORLD, world, chunk * precision.reduce_dtype.itemsize,
-                         "backward", "fsdp", _dtype_name(precision.reduce_dtype))]
-    num_nodes, ranks_per_node = topology.num_nodes, topology.ranks_per_node
+        return [Transfer(Op.REDUCE_SCATTER, shard_kind(topology, shard), size,
+                         chunk * precision.reduce_dtype.itemsize, "backward", "fsdp",
+                         _dtype_name(precision.reduce_dtype))]
     transfers = []
-    for bits, size, kind, rows in ((config.grad_bits_intra, ranks_per_node, GroupKind.INTRA, num_nodes),
-                                   (config.grad_bits_inter, num_nodes, GroupKind.INTER, 1)):
-        if size > 1:
-            segments = segments_for(trainable, [True] * len(trainable), world, bits,
+    for bits, nodes, per_node, rows in ((config.grad_bits_intra, 1, shard.ranks_per_node, shard.num_nodes),
+                                        (config.grad_bits_inter, shard.num_nodes, 1, 1)):
+        hop = nodes * per_node
+        if hop > 1:
+            segments = segments_for(trainable, [True] * len(trainable), size, bits,
                                     grouped_scales=config.gradient_code.grouped_scales)
             per_row = payload_bytes(segments, config.gradient_block_size, torch.float32)
-            kind = GroupKind.WORLD if size == world else kind
-            coded = 2 * (size - 1) * rows * chunk  # rows sent are encoded, rows received decoded
-            transfers.append(Transfer(Op.ALL_TO_ALL, kind, size, rows * per_row, "backward", "qgZ", f"int{bits}",
-                                      coded))
+            coded = 2 * (hop - 1) * rows * chunk  # rows sent are encoded, rows received decoded
+            transfers.append(Transfer(Op.ALL_TO_ALL, group_kind(topology, nodes, per_node), hop, rows * per_row,
+                                      "backward", "qgZ", f"int{bits}", coded))
     return transfers
 
 
-def _hsdp_transfers(unit: UnitShape, topology: Topology, precision: Precision) -> list[Transfer]:
-    node = topology.ranks_per_node
-    padded = padded_numels(unit, node)
-    kind = GroupKind.WORLD if node == topology.world_size else GroupKind.INTRA
-    shard = sum(padded) // node
-    gather_dtype = _dtype_name(precision.gather_dtype)
-    transfers = [Transfer(Op.ALL_GATHER, kind, node, shard * precision.gather_dtype.itemsize, phase, "fsdp",
-                          gather_dtype) for phase in ("forward", "backward")]
-    trainable = sum(numel for numel, t in zip(padded, unit.trainable) if t) // node
-    if trainable:
-        reduce_bytes = trainable * precision.reduce_dtype.itemsize
-        reduce_dtype = _dtype_name(precision.reduce_dtype)
-        transfers.append(Transfer(Op.REDUCE_SCATTER, kind, node, reduce_bytes, "backward", "fsdp", reduce_dtype))
-        if topology.num_nodes > 1:
-            inter = GroupKind.WORLD if node == 1 else GroupKind.INTER
-            transfers.append(Transfer(Op.ALL_REDUCE, inter, topology.num_nodes,
-                                      reduce_bytes // topology.num_nodes, "backward", "hsdp", reduce_dtype))
-    return transfers
+class ReplicaRow(NamedTuple):
+    """One row of the replicas' reduction ([Note: the replicas' reduction] in ``zeropp.replicas``)."""
+
+    numel: int
+    """Each trainable parameter's slice of the rank's chunk cut in R parts, the parts rounded up."""
+    nbytes: int
+    """The row's payload in ``grad_bits_inter`` bits with its blocks' fp32 scales (the plain code)."""
 
 
-def step_transfers(model: ModelShape, config: ZeroPPConfig | None, topology: Topology,
-                   precision: Precision) -> list[list[Transfer]]:
+def replica_row(chunk_numels: Sequence[int], config: ZeroPPConfig, num_replicas: int) -> ReplicaRow:
+    """The row each replica owns of a chunk of trainable slices of ``chunk_numels`` elements."""
+    parts = [-(-numel // num_replicas) for numel in chunk_numels]
+    segments = segments_for([part * num_replicas for part in parts], [True] * len(parts), num_replicas,
+                            config.grad_bits_inter)
+    return ReplicaRow(sum(parts), payload_bytes(segments, config.gradient_block_size, torch.float32))
+
+
+def _replicas(unit: UnitShape, padded: list[int], config: ZeroPPConfig | None, topology: Topology, layout: Layout,
+              precision: Precision) -> list[Transfer]:
+    """HSDP: the reduced shard reduced across the replicas (one rank per node): FSDP2's
+    all-reduce in the reduce dtype, or with ``quantized_replica_gradients`` an all-to-all of the
+    rows owed to the other replicas and an all-gather of the reduced rows, both coded."""
+    replicas, size = layout.num_replicas(topology), layout.shard_group(topology).world_size
+    chunks = [numel // size for numel, t in zip(padded, unit.trainable) if t]
+    if replicas == 1 or not sum(chunks):
+        return []
+    kind = group_kind(topology, replicas, 1)
+    if config is None or not config.quantized_replica_gradients:
+        reduce_bytes = sum(chunks) * precision.reduce_dtype.itemsize
+        return [Transfer(Op.ALL_REDUCE, kind, replicas, reduce_bytes // replicas, "backward", "hsdp",
+                         _dtype_name(precision.reduce_dtype))]
+    row, dtype = replica_row(chunks, config, replicas), f"int{config.grad_bits_inter}"
+    return [Transfer(Op.ALL_TO_ALL, kind, replicas, row.nbytes, "backward", "replicas", dtype,
+                     2 * (replicas - 1) * row.numel),
+            Transfer(Op.ALL_GATHER, kind, replicas, row.nbytes, "backward", "replicas", dtype,
+                     (1 + replicas) * row.numel)]
+
+
+def step_transfers(model: ModelShape, config: ZeroPPConfig | None, topology: Topology, precision: Precision,
+                   layout: Layout | None = None) -> list[list[Transfer]]:
     """Every unit's collectives in one step (``model.units`` order), the scalars' all-reduces
-    as a last entry when the model has trainable 0-dim parameters."""
-    per_unit = [unit_transfers(unit, config, topology, precision) for unit in model.units]
+    as a last entry when the model has trainable 0-dim parameters; ``layout``: see
+    ``layout.layout_for``."""
+    layout = layout_for(config, layout)
+    per_unit = [unit_transfers(unit, config, topology, precision, layout) for unit in layout.local_units(model)]
     if model.num_trainable_scalars and topology.world_size > 1:
         per_unit.append([Transfer(Op.ALL_REDUCE, GroupKind.WORLD, topology.world_size, 4, "backward", "scalars",
                                   "float32")] * model.num_trainable_scalars)
     return per_unit
 
 
-def ranks_sending_across(kind: GroupKind, topology: Topology) -> int:
-    """How many of the world's ranks have, in each of their groups of this kind, a ring
-    successor on another node (gloo's rings run in rank order)."""
-    if topology.num_nodes == 1 or kind is GroupKind.INTRA:
+def tensor_parallel_transfers(model: ModelShape, topology: Topology, layout: Layout, precision: Precision,
+                              batch: int, context_length: int, checkpointing: bool = False) -> list[list[Transfer]]:
+    """Tensor parallel's own collectives per unit in one step (``model.units`` order; none
+    without it): all-reduces of the t x ``batch`` sequences' activations over the group inside
+    the node, in the gather dtype ([Note: tensor parallel in the plan] in
+    ``zeropp.tools.plan.layout``). A block: the outputs of its attention's and its MLP's row
+    parallel products in forward (again in the recomputed forward with ``checkpointing``), the
+    gradients of their column parallel inputs in backward. The root: the vocab parallel
+    embedding's output in forward, the head's input gradient in backward, and the cross
+    entropy's three all-reduces of one fp32 value per token (maximum, target logit, sum of
+    exponentials) in forward."""
+    degree = layout.tensor_parallel
+    if degree == 1:
+        return [[] for _ in model.units]
+    tokens, kind = degree * batch * context_length, group_kind(topology, 1, degree)
+
+    def all_reduce(phase: str, nbytes: int, dtype: torch.dtype) -> Transfer:
+        return Transfer(Op.ALL_REDUCE, kind, degree, nbytes // degree, phase, "tp", _dtype_name(dtype))
+
+    hidden = tokens * model.embed_dim * precision.gather_dtype.itemsize
+    recomputed = 2 if checkpointing else 0
+    block = ([all_reduce("forward", hidden, precision.gather_dtype)] * 2
+             + [all_reduce("backward", hidden, precision.gather_dtype)] * (2 + recomputed))
+    per_unit = [block if unit.is_block else [] for unit in model.units]
+    per_unit[-1] = [*per_unit[-1], all_reduce("forward", hidden, precision.gather_dtype),
+                    *[all_reduce("forward", tokens * 4, torch.float32)] * 3,
+                    all_reduce("backward", hidden, precision.gather_dtype)]
+    return per_unit
+
+
+def ranks_sending_across(t: Transfer, topology: Topology) -> int:
+    """How many of the world's ranks have, in their group of ``t``'s kind, a ring successor on
+    another node (gloo's rings run in rank order): one per node in each group that spans nodes
+    (the world ring: each node's last rank; a group of one rank per node: all of them). A group
+    of ranks on several nodes and several on each (a tensor parallel layout's data-parallel
+    group) spans every node, the same number on each."""
+    if topology.num_nodes == 1 or t.kind is GroupKind.INTRA:
         return 0
-    if kind is GroupKind.INTER:
-        return topology.world_size
-    return topology.num_nodes  # the world ring: each node's last rank sends to the next node
+    return topology.world_size // t.group_size * topology.num_nodes
 
 
 def ledger_counts(transfers: Sequence[Transfer], topology: Topology, backend: str = "gloo") -> dict[str, int]:
     """The ledger's per-step ``COUNTS`` summed over every rank (``CommLedger.combined``)."""
-    world, per_node = topology.world_size, topology.ranks_per_node
+    world = topology.world_size
     totals = dict.fromkeys(COUNTS, 0)
     for t in transfers:  # every rank sends the same in each of them (no broadcast in a step)
         sent = t.factor * t.bytes_per_peer * (t.group_size - 1)
-        remote = {GroupKind.INTRA: 0, GroupKind.INTER: t.group_size - 1}.get(t.kind, t.group_size - per_node)
+        remote = {GroupKind.INTRA: 0, GroupKind.INTER: t.group_size - 1}.get(
+            t.kind, t.group_size - t.group_size // topology.num_nodes)  # world, mixed: every node, as many on each
         cross = t.factor * t.bytes_per_peer * remote
         totals["calls"] += world
         totals["bytes"] += world * sent
@@ -305,7 +392,7 @@ def ledger_counts(transfers: Sequence[Transfer], topology: Topology, backend: st
             rounds = 1 if t.op is Op.ALL_GATHER else 2
             ring = rounds * t.bytes_per_peer * (t.group_size - 1)
             totals["backend_bytes"] += world * ring
-            totals["backend_cross_node_bytes"] += ranks_sending_across(t.kind, topology) * ring
+            totals["backend_cross_node_bytes"] += ranks_sending_across(t, topology) * ring
         else:
             totals["backend_bytes"] += world * sent
             totals["backend_cross_node_bytes"] += world * cross
