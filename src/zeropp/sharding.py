@@ -282,11 +282,16 @@ def check_unit(unit: FSDPModule, config: ZeroPPConfig, topology: Topology, name:
             "it with fully_shard(module, mesh=<(replicate, shard) mesh>) or leave the option off")
     hpz, hpz_key = config.hpz_partition_size, config.key_of("hpz_partition_size")
     if hpz > 1 and layout.padded_numels and layout.shard_group_size != topology.world_size:
+        ranks = shard_group_ranks(unit)
+        per_node = len(ranks) // len({topology.node_of(rank) for rank in ranks})
+        why = ("its data-parallel group has one rank per node, so a node holds no partition to keep a copy in"
+               if per_node == 1 else
+               f"its data-parallel group has {per_node} ranks per node, but FSDP2 cannot reshard a 2-D mesh's "
+               "parameters to them after forward and zeropp keeps no copy of its own there")
         raise ValueError(
             f"{hpz_key}={hpz}, but {name} is sharded over {layout.shard_group_size} of {topology.world_size} ranks "
-            "(a 2-D mesh: tensor parallel x FSDP, or HSDP): hpZ's secondary partition needs units sharded over "
-            "the whole world, and FSDP2 cannot reshard a 2-D mesh's parameters to a node partition after forward. "
-            f"Set {hpz_key}=1 (qwZ works on this layout), or shard over a 1-D world mesh")
+            f"(a 2-D mesh: tensor parallel x FSDP, or HSDP): {why}. Set {hpz_key}=1 (qwZ and qgZ work on this "
+            "layout), or shard over a 1-D world mesh")
     if hpz > 1 and layout.padded_numels and layout.post_forward_group_size not in (hpz, layout.shard_group_size):
         raise ValueError(
             f"{hpz_key}={hpz}, but {name} was sharded with reshard_after_forward="

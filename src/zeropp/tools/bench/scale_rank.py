@@ -58,6 +58,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zeropp.config import ZeroPPConfig
+
 MODEL_SHAPES: dict[str, dict[str, int]] = {
     "llama3-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
                   "num_key_value_heads": 8, "vocab_size": 128256},
@@ -93,6 +95,8 @@ class RunConfig:
     timed_steps: int = 0
     """Steps after the profiled one, timed with neither tracker nor profiler (their median is
     ``plain_step_s``)."""
+    grad_slice_bytes: int | None = ZeroPPConfig.grad_slice_bytes
+    """qgZ's slice bound (``ZeroPPConfig.grad_slice_bytes``; None: one slice)."""
 
 
 def llama_config(model: str, num_layers: int) -> Any:
@@ -286,7 +290,8 @@ def run(config: RunConfig) -> dict[str, Any]:
     llama, units = build_meta_llama(config.model, config.num_layers)
     if config.device != "cpu":  # zeropp.shard takes the mesh's device from the parameters ("cpu" for meta ones):
         llama.to_empty(device=config.device)  # the full slice, uninitialised; sharding keeps this rank's shards
-    mode = MODES[config.mode].config(config.ranks_per_node, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mode = MODES[config.mode].config(config.ranks_per_node, param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                     grad_slice_bytes=config.grad_slice_bytes)
     with counting_new_groups() as new_groups:
         started = time.perf_counter()
         zeropp.shard(llama, mode, topology=topology, units=units)
@@ -320,12 +325,15 @@ def main(argv: list[str] | None = None) -> None:
     for name, kind in (("world-size", int), ("rank", int), ("mode", str), ("model", str), ("layers", int),
                        ("context-length", int), ("device", str), ("timed-steps", int)):
         parser.add_argument(f"--{name}", type=kind, required=name in ("world-size", "rank", "mode"))
+    parser.add_argument("--grad-slice-bytes", type=lambda text: None if text == "none" else int(text),
+                        default=ZeroPPConfig.grad_slice_bytes, help="qgZ's slice bound, or 'none' (one slice)")
     parser.add_argument("--step", action="store_true")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     given = {"model": args.model, "num_layers": args.layers, "context_length": args.context_length,
              "device": args.device, "timed_steps": args.timed_steps}
     config = RunConfig(world_size=args.world_size, rank=args.rank, mode=args.mode, step=args.step,
+                       grad_slice_bytes=args.grad_slice_bytes,
                        **{name: value for name, value in given.items() if value is not None})
     args.out.write_text(json.dumps(run(config), indent=1))
 
