@@ -220,3 +220,53 @@ def _replicas_without_hsdp(rank: int, world_size: int) -> str:
 def test_quantized_replica_gradients_without_replicas_is_refused() -> None:
     message = run_distributed(_replicas_without_hsdp, 4, env={"ZEROPP_RANKS_PER_NODE": "2"})[0]
     assert "quantized_replica_gradients" in message and "no replicas" in message, message
+
+
+def _hpz_on_tensor_parallel(rank: int, world_size: int) -> dict | None:
+    """qwZ alone and qwZ with hpZ over the node's data-parallel ranks, TP 2 on 2 nodes x 4: full
+    gradients after one backward, and each run's cross-node bytes by technique."""
+    out = {}
+    for name, options in (("qwz", {"quantized_weights": True}),
+                          ("hpz", {"quantized_weights": True, "hpz_partition_size": 2})):
+        zeropp.comm_ledger().reset()
+        model, dp_rank = _sharded("tp", 2, options)
+        _loss(model, dp_rank).backward()
+        out[name] = {n: p.grad.full_tensor().numpy() for n, p in model.named_parameters()}
+        out[f"{name}_ledger"] = zeropp.comm_ledger().summary()["by_technique"]
+        out[f"{name}_forward"] = zeropp.comm_ledger().summary(phase="forward")["by_technique"]
+    return out if rank == 0 else None
+
+
+@pytest.mark.slow
+def test_hpz_on_tensor_parallel_keeps_codes_on_the_node_and_changes_no_bit() -> None:
+    """hpZ on a 2-D mesh ([Note: hpZ on a 2-D mesh]): the data-parallel group holds 2 ranks of
+    each node, which keep the forward's codes between them; backward's gathers run inside the
+    node (none of their bytes crosses), the weights are the forward's, so the gradients are qwZ
+    alone's bit for bit, and qwZ's cross-node bytes are the forward's alone."""
+    result = run_distributed(_hpz_on_tensor_parallel, 8, env={"ZEROPP_RANKS_PER_NODE": "4"})[0]
+    for name, reference in result["qwz"].items():
+        np.testing.assert_array_equal(result["hpz"][name], reference, err_msg=name)
+    hpz, qwz = result["hpz_ledger"], result["qwz_ledger"]
+    assert hpz["hpZ"]["bytes"] > 0 and hpz["hpZ"]["cross_node_bytes"] == 0, hpz
+    forward = result["qwz_forward"]["qwZ"]["cross_node_bytes"]
+    assert hpz["qwZ"]["cross_node_bytes"] == forward < qwz["qwZ"]["cross_node_bytes"], (hpz, qwz)
+
+
+def _hpz_refused(rank: int, world_size: int, layout: str, options: dict) -> str:
+    model, _ = _sharded(layout, 2, None)
+    try:
+        zeropp.enable(model, zeropp.ZeroPPConfig(**options))
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+@pytest.mark.parametrize(("layout", "options", "says"), [
+    ("tp", {"quantized_weights": True, "hpz_partition_size": 2}, "a node holds no partition"),
+    ("hsdp", {"quantized_weights": True, "hpz_partition_size": 2}, "hpZ has nothing to save"),
+])
+def test_hpz_where_it_cannot_work_on_a_2d_mesh_is_refused(layout: str, options: dict, says: str) -> None:
+    """TP filling the node leaves one data-parallel rank per node; HSDP's shard group is a node:
+    either way a ValueError at set-up naming hpZ and what to set."""
+    message = run_distributed(_hpz_refused, 4, layout, options, env={"ZEROPP_RANKS_PER_NODE": "2"})[0]
+    assert says in message and "hpz_partition_size=1" in message, message

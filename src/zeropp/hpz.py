@@ -197,6 +197,51 @@ class CodedSecondaryCopy:
         return 0 if self._held is None else self._held.numel()
 
 
+class NodeCodesCopy:
+    """[Note: hpZ on a 2-D mesh]
+    On a tensor parallel x FSDP mesh FSDP2 cannot reshard a unit's DTensor parameters to a
+    smaller mesh after forward, so it has no secondary copy to give; zeropp keeps one itself, as
+    qwZ's codes. The unit reshards fully after forward (FSDP2's ``True``). Its forward gather over
+    the S ranks of its data-parallel group received S payload rows; of the h = S / N of those
+    ranks on this rank's node, the one at index i keeps rows i S/h .. (i + 1) S/h - 1 (a copy of
+    those rows alone). Backward's gather, which FSDP2 asks of the whole data-parallel group,
+    is served by an all-gather of the kept rows over the h ranks of the node instead: in index
+    order they are the S rows, decoded into FSDP2's output as the forward decoded them, so the
+    weights are bit for bit the forward's and no byte of it crosses a node. The copy is taken by
+    backward's gather; a forward that does not reach backward leaves it until the unit's next
+    forward replaces it. Weights changed between a forward and its backward (a step, a load) do
+    not reach that backward: it computes with the weights the forward used, as autograd does."""
+
+    def __init__(self, group_size: int, node_group: Any, index: int) -> None:
+        self.group_size = group_size
+        """Ranks of the unit's data-parallel group (S)."""
+        self.node_group = node_group
+        """Its ranks on this rank's node (h of them), the group backward's gather runs over."""
+        self.partition_size = node_group.size()
+        self.rows_per_copy = group_size // self.partition_size
+        self._first_row = index * self.rows_per_copy
+        self._held: torch.Tensor | None = None
+
+    def received(self, rows: torch.Tensor, codec: ChunkCodec) -> None:
+        """A forward gather's payload rows (S, row bytes): keep this rank's S/h of them."""
+        if len(rows) == self.group_size and not in_backward():
+            self._held = rows[self._first_row:self._first_row + self.rows_per_copy].clone()
+
+    def take(self, group_size: int) -> torch.Tensor | None:
+        """The kept rows for backward's gather over the data-parallel group, once."""
+        if group_size != self.group_size or not in_backward():
+            return None
+        held, self._held = self._held, None
+        return held
+
+    def drop(self) -> None:
+        self._held = None
+
+    @property
+    def held_bytes(self) -> int:
+        return 0 if self._held is None else self._held.numel()
+
+
 _CODE_COPIES: weakref.WeakKeyDictionary[FSDPModule, CodedSecondaryCopy] = weakref.WeakKeyDictionary()
 
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from zeropp._fsdp import AllGather, UnitLayout
 from zeropp.codes.codec import ChunkCodec, segments_for
 from zeropp.comms import Completion, GatherAhead, RecordedComm, Started, all_gather, buffered
+from zeropp.hpz import NodeCodesCopy
 from zeropp.ledger import CommLedger, GroupKind
 from zeropp.topology import ProcessGroups, Topology
 
@@ -91,7 +92,7 @@ class QuantizedAllGather(RecordedComm, GatherAhead, AllGather):
         self.padded_numels, self.quantized, self.dtypes = padded_numels, quantized, dtypes
         self.bits, self.block_size, self.asymmetric = bits, block_size, asymmetric
         self.quantize_intra_node = quantize_intra_node
-        self.secondary_codes: CodedSecondaryCopy | None = None
+        self.secondary_codes: CodedSecondaryCopy | NodeCodesCopy | None = None
         self._codecs: dict[tuple[int, torch.dtype], ChunkCodec] = {}
         self._regrouped: dict[tuple[int, torch.dtype, int], ChunkCodec] = {}
 
@@ -112,6 +113,8 @@ class QuantizedAllGather(RecordedComm, GatherAhead, AllGather):
               output_tensor: torch.Tensor | None) -> Started:
         info = self.group_info(group)
         codes = self.secondary_codes.take(info.size) if self.secondary_codes is not None else None
+        if codes is not None and isinstance(self.secondary_codes, NodeCodesCopy):
+            return self._gather_node_codes(codes, input_tensor, async_op)
         if codes is not None:
             return self._gather_codes(codes, input_tensor, group, info.size, async_op)
         if info.kind is GroupKind.INTRA and not self.quantize_intra_node:
@@ -153,6 +156,17 @@ class QuantizedAllGather(RecordedComm, GatherAhead, AllGather):
         work = all_gather(received.view(-1), codes.view(-1), group, self.recorder, "hpZ", dtype=f"int{self.bits}",
                           async_op=async_op)
         return work, Completion(received, lambda output: codec.decode(received, output.view(group_size, -1)))
+
+    def _gather_node_codes(self, codes: torch.Tensor, input_tensor: torch.Tensor, async_op: bool) -> Started:
+        """Backward's gather on a 2-D mesh, from the rows hpZ keeps on the node ([Note: hpZ on a
+        2-D mesh] in ``zeropp.hpz``): the node's ranks' rows, in index order, are the forward's
+        S payload rows. FSDP2's input is not read."""
+        copy = self.secondary_codes
+        codec = self.codec(copy.group_size, input_tensor.dtype)
+        received = torch.empty((copy.group_size, codec.nbytes), dtype=torch.uint8, device=codes.device)
+        work = all_gather(received.view(-1), codes.view(-1), copy.node_group, self.recorder, "hpZ",
+                          dtype=f"int{self.bits}", async_op=async_op)
+        return work, Completion(received, lambda output: codec.decode(received, output.view(copy.group_size, -1)))
 
     def regrouped_codec(self, group_size: int, rows_per_chunk: int, dtype: torch.dtype) -> ChunkCodec:
         """The codec of chunks joining ``rows_per_chunk`` of the chunks over ``group_size`` ranks

@@ -41,6 +41,7 @@ from zeropp.agreement import agree, config_view, parameters_view, units_view
 from zeropp.comms import CountingAllGather, CountingReduceScatter, Recorder, all_gather_strings, collective_timeout_s
 from zeropp.config import ZeroPPConfig
 from zeropp.hpz import (
+    NodeCodesCopy,
     check_hpz,
     generate_in_generation_mode,
     has_secondary_copy,
@@ -171,7 +172,8 @@ def _enable(model: FSDPModule, config: ZeroPPConfig, groups: ProcessGroups) -> n
             config.key_of("quantized_weights"), config.key_of("quantize_intra_node_weights"))
     if groups.hpz_mesh is not None:
         for unit in units:
-            if not unit_layout(unit).kept_whole_after_forward:
+            unit_shape = unit_layout(unit)
+            if not unit_shape.kept_whole_after_forward and unit_shape.shard_group_size == groups.topology.world_size:
                 set_post_forward_mesh(unit, groups.hpz_mesh)
     installed = ShardedComms()
     param_names = {id(p): name for name, p in model.named_parameters()}
@@ -282,22 +284,36 @@ def check_unit(unit: FSDPModule, config: ZeroPPConfig, topology: Topology, name:
             "it with fully_shard(module, mesh=<(replicate, shard) mesh>) or leave the option off")
     hpz, hpz_key = config.hpz_partition_size, config.key_of("hpz_partition_size")
     if hpz > 1 and layout.padded_numels and layout.shard_group_size != topology.world_size:
-        ranks = shard_group_ranks(unit)
-        per_node = len(ranks) // len({topology.node_of(rank) for rank in ranks})
-        why = ("its data-parallel group has one rank per node, so a node holds no partition to keep a copy in"
-               if per_node == 1 else
-               f"its data-parallel group has {per_node} ranks per node, but FSDP2 cannot reshard a 2-D mesh's "
-               "parameters to them after forward and zeropp keeps no copy of its own there")
-        raise ValueError(
-            f"{hpz_key}={hpz}, but {name} is sharded over {layout.shard_group_size} of {topology.world_size} ranks "
-            f"(a 2-D mesh: tensor parallel x FSDP, or HSDP): {why}. Set {hpz_key}=1 (qwZ and qgZ work on this "
-            "layout), or shard over a 1-D world mesh")
+        _check_hpz_on_2d_mesh(config, topology, name, shard_group_ranks(unit), layout.shard_group_size)
     if hpz > 1 and layout.padded_numels and layout.post_forward_group_size not in (hpz, layout.shard_group_size):
         raise ValueError(
             f"{hpz_key}={hpz}, but {name} was sharded with reshard_after_forward="
             f"{layout.post_forward_group_size} (its weights stay sharded over that many ranks after forward): "
             f"shard it with reshard_after_forward=True (zeropp.enable then sets hpZ's partition) or {hpz}, "
             f"or set {hpz_key}={layout.post_forward_group_size}")
+
+
+def _check_hpz_on_2d_mesh(config: ZeroPPConfig, topology: Topology, name: str, ranks: Sequence[int],
+                          group_size: int) -> None:
+    """hpZ on a unit of a 2-D mesh keeps its copy as qwZ's codes over the unit's data-parallel
+    ranks on each node ([Note: hpZ on a 2-D mesh]): it needs qwZ, and hpZ's size equal to those
+    ranks per node (at least two)."""
+    hpz, hpz_key = config.hpz_partition_size, config.key_of("hpz_partition_size")
+    per_node = len(ranks) // len({topology.node_of(rank) for rank in ranks})
+    where = (f"{hpz_key}={hpz}, but {name} is sharded over {group_size} of {topology.world_size} ranks (a 2-D "
+             f"mesh: tensor parallel x FSDP, or HSDP), {per_node} of them on each node")
+    if per_node == 1:
+        raise ValueError(f"{where}: a node holds no partition of its data-parallel group to keep hpZ's copy in. "
+                         f"Set {hpz_key}=1 (qwZ and qgZ work on this layout)")
+    if per_node == group_size:
+        raise ValueError(f"{where}: its shard group is one node already (HSDP), so backward's gather never "
+                         f"crosses nodes and hpZ has nothing to save. Set {hpz_key}=1")
+    if hpz != per_node:
+        raise ValueError(f"{where}: hpZ's copy on a 2-D mesh spans the unit's data-parallel ranks of a node. "
+                         f"Set {hpz_key}={per_node}")
+    if not config.quantized_weights:
+        raise ValueError(f"{where}: on a 2-D mesh FSDP2 keeps no secondary copy, and zeropp keeps it as qwZ's "
+                         f"codes. Set {config.key_of('quantized_weights')}=true as well, or {hpz_key}=1")
 
 
 @dataclass
@@ -353,6 +369,9 @@ def _install_comms(module: FSDPModule, groups: ProcessGroups, config: ZeroPPConf
         chunk_dtype = layout.gather_dtypes[0] if len(set(layout.gather_dtypes)) == 1 else torch.uint8
         all_gather.secondary_codes = keep_secondary_as_codes(
             module, all_gather.codec(layout.shard_group_size, chunk_dtype).nbytes)
+        if config.hpz_partition_size > 1 and layout.shard_group_size != groups.topology.world_size:
+            node = groups.shard_groups(shard_layout(module, groups.topology)).intra_node_group
+            all_gather.secondary_codes = NodeCodesCopy(layout.shard_group_size, node, node.rank())
     else:
         all_gather = CountingAllGather(groups.topology)
         keep_secondary_as_codes(module, None)
