@@ -267,20 +267,37 @@ def test_the_config_loads_through_torchtitans_command_line(tmp_path, monkeypatch
     assert from_json.config == zeropp.ZeroPPConfig(quantized_weights=True, hpz_partition_size=8)
 
 
+class _Parallelized(Exception):
+    """Raised by a stand-in parallelize function: the checks before it passed."""
+
+
+def _stand_in_parallelize(model: torch.nn.Module, **kwargs) -> torch.nn.Module:
+    raise _Parallelized
+
+
 def test_parallelisms_zeropp_cannot_shard_over_are_refused() -> None:
-    """Tensor, context, pipeline or expert parallelism, HSDP replicas, or a mesh other than the
-    1-D one: a ValueError naming what to change, before anything is sharded."""
+    """Context, pipeline or expert parallelism, or a mesh other than ``partial_dtensor``'s: a
+    ValueError naming what to change, before anything is sharded. Tensor parallelism and HSDP
+    replicas, alone or together, go on to torchtitan's parallelize function
+    (``test_torchtitan_meshes`` runs them)."""
     from torchtitan.config import ParallelismConfig
     from torchtitan.trainer import Trainer
 
     from zeropp.torchtitan import ZeroPPParallelize, with_zeropp
 
-    parallelize = ZeroPPParallelize(lambda model, **kwargs: model, zeropp.ZeroPPConfig())
-    for settings, named in [({"tensor_parallel_degree": 2, "spmd_backend": "partial_dtensor"}, "tensor_parallel"),
-                            ({"data_parallel_replicate_degree": 2, "spmd_backend": "partial_dtensor"}, "replicate"),
-                            ({"spmd_backend": "spmd_types"}, "spmd_backend='spmd_types'")]:
+    parallelize = ZeroPPParallelize(_stand_in_parallelize, zeropp.ZeroPPConfig())
+    for settings, named in [({"context_parallel_degree": 2}, "context_parallel_degree=2"),
+                            ({"pipeline_parallel_degree": 2}, "pipeline_parallel_degree=2"),
+                            ({"expert_parallel_degree": 2}, "expert_parallel_degree=2"),
+                            ({"spmd_backend": "spmd_types"}, "spmd_backend='partial_dtensor'.*'spmd_types'"),
+                            ({"spmd_backend": "full_dtensor", "tensor_parallel_degree": 2}, "'full_dtensor'")]:
         with pytest.raises(ValueError, match=named):
             parallelize(torch.nn.Linear(2, 2), parallelism=ParallelismConfig(**settings))
+    for settings in [{"tensor_parallel_degree": 2}, {"data_parallel_replicate_degree": 2},
+                     {"tensor_parallel_degree": 2, "data_parallel_replicate_degree": 2}]:
+        with pytest.raises(_Parallelized):
+            parallelize(torch.nn.Linear(2, 2),
+                        parallelism=ParallelismConfig(**settings, spmd_backend="partial_dtensor"))
     with pytest.raises(ValueError, match="model_spec"):
         with_zeropp(Trainer.Config(), zeropp.ZeroPPConfig())
 

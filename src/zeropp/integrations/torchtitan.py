@@ -17,6 +17,23 @@ module is a few lines (README, Quick start):
 torchtitan is imported only here, so ``import zeropp`` never needs it (torchtitan 0.3 needs
 Python >= 3.11 and torch >= 2.13). See docs/decisions.md (torchtitan) for why a config function
 and not a Trainer subclass.
+
+The layouts, as torchtitan builds them under ``SPMD_BACKEND`` (world mesh unflattened to
+``(pp, dp_replicate, fsdp, tp)``, tensor parallel innermost):
+
+- FSDP alone: every unit is sharded over the 1-D ``fsdp`` mesh of all ranks; every technique.
+- tensor parallel x FSDP (``tensor_parallel_degree``): the blocks are tensor parallel on the
+  ``tp`` mesh, then each unit is sharded over the 1-D ``fsdp`` sub-mesh (its parameters are
+  DTensors on ``(fsdp, tp)``): qwZ and qgZ run over that sub-mesh, one rank per node when tensor
+  parallel fills the node.
+- HSDP (``data_parallel_replicate_degree``): each unit is sharded on the 2-D ``(dp_replicate,
+  fsdp)`` mesh; qgZ runs inside the shard group, ``quantized_replica_gradients`` quantizes the
+  replicas' all-reduce. Both degrees together give HSDP of tensor parallel blocks.
+
+hpZ has nothing to keep where tensor parallel fills the node (one data-parallel rank per node)
+or under HSDP (the shard group is a node): there ``zeropp.enable`` refuses
+``hpz_partition_size > 1`` by name (``llama3_debugmodel`` turns it on for several nodes, so take
+another config function there). Context, pipeline and expert parallelism are refused.
 """
 
 from __future__ import annotations
@@ -33,8 +50,10 @@ from zeropp.sharding import enable
 from zeropp.topology import Topology
 
 SPMD_BACKEND = "partial_dtensor"
-"""torchtitan's ``parallelism.spmd_backend`` whose FSDP2 units shard over a 1-D data-parallel
-mesh, as qgZ's two hops and hpZ's node mesh need."""
+"""torchtitan's ``parallelism.spmd_backend`` that hands ``fully_shard`` the data-parallel mesh
+alone (``fsdp``, or ``(dp_replicate, fsdp)``), its tensor parallel blocks DTensors on ``tp``:
+FSDP2 units whose shard group zeropp reads to run qgZ's hops and hpZ's node partition. The
+other backends shard on the whole multi-axis mesh named by ``DataParallelMeshDims``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,22 +74,25 @@ class ZeroPPParallelize:
         return enable(self.parallelize_fn(model, **kwargs), self.config)
 
 
-_OTHER_PARALLELISMS = ("data_parallel_replicate_degree", "tensor_parallel_degree", "context_parallel_degree",
-                       "pipeline_parallel_degree", "expert_parallel_degree")
+_REFUSED_PARALLELISMS = ("context_parallel_degree", "pipeline_parallel_degree", "expert_parallel_degree")
+"""Parallelisms zeropp's comms are not verified with: context parallel folds into the FSDP mesh
+and shards the sequence, pipeline parallel splits the model in stages, expert parallel gives
+routed experts their own FSDP mesh."""
 
 
 def _check_parallelism(parallelism: Any) -> None:
-    """torchtitan's sharding must be FSDP2 alone over every rank on the 1-D mesh of
-    ``SPMD_BACKEND``: no HSDP replicas, no tensor, context, pipeline or expert parallelism."""
+    """torchtitan's layout must be FSDP2, over every rank or with tensor parallelism and HSDP
+    replicas, on ``SPMD_BACKEND``'s meshes."""
     if parallelism is None:
         raise ValueError("ZeroPPParallelize needs torchtitan's parallelism config (keyword 'parallelism')")
-    wrong = [f"parallelism.{name}={getattr(parallelism, name)}" for name in _OTHER_PARALLELISMS
+    wrong = [f"parallelism.{name}={getattr(parallelism, name)}" for name in _REFUSED_PARALLELISMS
              if getattr(parallelism, name) != 1]
-    if parallelism.spmd_backend != SPMD_BACKEND:
-        wrong.append(f"parallelism.spmd_backend={parallelism.spmd_backend!r}")
     if wrong:
-        raise ValueError(f"zeropp shards every unit over all ranks on one 1-D FSDP2 mesh; got {', '.join(wrong)}: "
-                         f"set the degrees to 1 and spmd_backend to {SPMD_BACKEND!r} (with_zeropp sets the latter)")
+        raise ValueError(f"zeropp runs on FSDP2, tensor parallel and HSDP layouts only; got {', '.join(wrong)}: "
+                         "set the degree to 1")
+    if parallelism.spmd_backend != SPMD_BACKEND:
+        raise ValueError(f"zeropp needs parallelism.spmd_backend={SPMD_BACKEND!r} (FSDP2 units on the data-parallel "
+                         f"mesh alone), got {parallelism.spmd_backend!r}; with_zeropp sets it")
 
 
 def with_zeropp(config: Any, zeropp_config: ZeroPPConfig | str | os.PathLike[str]) -> Any:
