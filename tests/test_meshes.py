@@ -175,9 +175,13 @@ def _replica_shards(rank: int, world_size: int, options: dict) -> dict:
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
     logging.getLogger("zeropp").addHandler(handler)
+    from zeropp._fsdp import fsdp_units, secondary_bytes_held
+
     out = _gradients(rank, world_size, "hsdp", 1, options) or {}
     model, dp_rank = _sharded("hsdp", 1, options)
-    _loss(model, dp_rank).backward()
+    loss = _loss(model, dp_rank)
+    out["held_after_forward"] = secondary_bytes_held(fsdp_units(model))
+    loss.backward()
     out["shards"] = {n: p.grad.to_local().numpy() for n, p in model.named_parameters()}
     out["logged"] = records
     return out
@@ -199,6 +203,7 @@ def test_quantized_hsdp_reduces_replicas_in_int4_and_every_replica_holds_the_sam
         np.testing.assert_array_equal(results[1]["shards"][name], results[3]["shards"][name])
     crossing = results[0]["zeropp_ledger"]
     assert crossing["replicas"] > 0 and crossing.get("fsdp", 0) == 0, crossing
+    assert results[0]["held_after_forward"] == 0  # no second shard kept between forward and backward
 
 
 def test_qwz_under_hsdp_says_it_changes_nothing() -> None:

@@ -164,6 +164,8 @@ def set_replicas_reduced_by_comm(unit: FSDPModule, by_comm: bool) -> None:
     kind = FSDPMeshInfo if by_comm else HSDPMeshInfo
     if type(info) is not kind:
         param_group.mesh_info = kind(**{f.name: getattr(info, f.name) for f in dataclasses.fields(kind) if f.init})
+        if param_group.post_forward_mesh_info == info:  # resharding to the same mesh: it must stay the same
+            param_group.post_forward_mesh_info = param_group.mesh_info
 
 
 def set_post_forward_mesh(unit: FSDPModule, mesh: DeviceMesh) -> None:
