@@ -231,30 +231,34 @@ def _hpz_on_tensor_parallel(rank: int, world_size: int) -> dict | None:
     """qwZ alone and qwZ with hpZ over the node's data-parallel ranks, TP 2 on 2 nodes x 4: full
     gradients after one backward, and each run's cross-node bytes by technique."""
     out = {}
-    for name, options in (("qwz", {"quantized_weights": True}),
+    for name, options in (("zero3", {}), ("hpz_alone", {"hpz_partition_size": 2}), ("qwz", {"quantized_weights": True}),
                           ("hpz", {"quantized_weights": True, "hpz_partition_size": 2})):
         zeropp.comm_ledger().reset()
         model, dp_rank = _sharded("tp", 2, options)
         _loss(model, dp_rank).backward()
         out[name] = {n: p.grad.full_tensor().numpy() for n, p in model.named_parameters()}
-        out[f"{name}_ledger"] = zeropp.comm_ledger().summary()["by_technique"]
-        out[f"{name}_forward"] = zeropp.comm_ledger().summary(phase="forward")["by_technique"]
+        ledger = zeropp.comm_ledger()
+        out[f"{name}_ledger"] = ledger.summary()["by_technique"]
+        out[f"{name}_gathers"] = [ledger.summary(op="all_gather", **phase)["total"]["cross_node_bytes"]
+                                  for phase in ({"phase": "forward"}, {})]
     return out if rank == 0 else None
 
 
 @pytest.mark.slow
-def test_hpz_on_tensor_parallel_keeps_codes_on_the_node_and_changes_no_bit() -> None:
+def test_hpz_on_tensor_parallel_keeps_its_copy_on_the_node_and_changes_no_bit() -> None:
     """hpZ on a 2-D mesh ([Note: hpZ on a 2-D mesh]): the data-parallel group holds 2 ranks of
-    each node, which keep the forward's codes between them; backward's gathers run inside the
-    node (none of their bytes crosses), the weights are the forward's, so the gradients are qwZ
-    alone's bit for bit, and qwZ's cross-node bytes are the forward's alone."""
+    each node, which keep the forward's rows (qwZ's codes, or the gathered weights) between them;
+    backward's gathers run inside the node (none of their bytes crosses) with the forward's
+    weights, so the gradients are those of the same run without hpZ bit for bit, and only the
+    forward's gathers cross nodes."""
     result = run_distributed(_hpz_on_tensor_parallel, 8, env={"ZEROPP_RANKS_PER_NODE": "4"})[0]
-    for name, reference in result["qwz"].items():
-        np.testing.assert_array_equal(result["hpz"][name], reference, err_msg=name)
-    hpz, qwz = result["hpz_ledger"], result["qwz_ledger"]
-    assert hpz["hpZ"]["bytes"] > 0 and hpz["hpZ"]["cross_node_bytes"] == 0, hpz
-    forward = result["qwz_forward"]["qwZ"]["cross_node_bytes"]
-    assert hpz["qwZ"]["cross_node_bytes"] == forward < qwz["qwZ"]["cross_node_bytes"], (hpz, qwz)
+    for with_hpz, without in (("hpz", "qwz"), ("hpz_alone", "zero3")):
+        for name, reference in result[without].items():
+            np.testing.assert_array_equal(result[with_hpz][name], reference, err_msg=f"{with_hpz}: {name}")
+        hpz = result[f"{with_hpz}_ledger"]["hpZ"]
+        assert hpz["bytes"] > 0 and hpz["cross_node_bytes"] == 0, hpz
+        forward, every = result[f"{without}_gathers"]
+        assert result[f"{with_hpz}_gathers"] == [forward, forward] and forward < every, result
 
 
 def _hpz_refused(rank: int, world_size: int, layout: str, options: dict) -> str:

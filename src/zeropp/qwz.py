@@ -20,7 +20,7 @@ import torch.distributed as dist
 from zeropp._fsdp import AllGather, UnitLayout
 from zeropp.codes.codec import ChunkCodec, segments_for
 from zeropp.comms import Completion, GatherAhead, RecordedComm, Started, all_gather, buffered
-from zeropp.hpz import NodeCodesCopy
+from zeropp.hpz import NodeCopy
 from zeropp.ledger import CommLedger, GroupKind
 from zeropp.topology import ProcessGroups, Topology
 
@@ -92,7 +92,7 @@ class QuantizedAllGather(RecordedComm, GatherAhead, AllGather):
         self.padded_numels, self.quantized, self.dtypes = padded_numels, quantized, dtypes
         self.bits, self.block_size, self.asymmetric = bits, block_size, asymmetric
         self.quantize_intra_node = quantize_intra_node
-        self.secondary_codes: CodedSecondaryCopy | NodeCodesCopy | None = None
+        self.secondary_codes: CodedSecondaryCopy | NodeCopy | None = None
         self._codecs: dict[tuple[int, torch.dtype], ChunkCodec] = {}
         self._regrouped: dict[tuple[int, torch.dtype, int], ChunkCodec] = {}
 
@@ -113,7 +113,7 @@ class QuantizedAllGather(RecordedComm, GatherAhead, AllGather):
               output_tensor: torch.Tensor | None) -> Started:
         info = self.group_info(group)
         codes = self.secondary_codes.take(info.size) if self.secondary_codes is not None else None
-        if codes is not None and isinstance(self.secondary_codes, NodeCodesCopy):
+        if codes is not None and isinstance(self.secondary_codes, NodeCopy):
             return self._gather_node_codes(codes, input_tensor, async_op)
         if codes is not None:
             return self._gather_codes(codes, input_tensor, group, info.size, async_op)

@@ -41,7 +41,8 @@ from zeropp.agreement import agree, config_view, parameters_view, units_view
 from zeropp.comms import CountingAllGather, CountingReduceScatter, Recorder, all_gather_strings, collective_timeout_s
 from zeropp.config import ZeroPPConfig
 from zeropp.hpz import (
-    NodeCodesCopy,
+    NodeCopy,
+    NodeCopyAllGather,
     check_hpz,
     generate_in_generation_mode,
     has_secondary_copy,
@@ -295,9 +296,8 @@ def check_unit(unit: FSDPModule, config: ZeroPPConfig, topology: Topology, name:
 
 def _check_hpz_on_2d_mesh(config: ZeroPPConfig, topology: Topology, name: str, ranks: Sequence[int],
                           group_size: int) -> None:
-    """hpZ on a unit of a 2-D mesh keeps its copy as qwZ's codes over the unit's data-parallel
-    ranks on each node ([Note: hpZ on a 2-D mesh]): it needs qwZ, and hpZ's size equal to those
-    ranks per node (at least two)."""
+    """hpZ on a unit of a 2-D mesh keeps its copy over the unit's data-parallel ranks on each
+    node ([Note: hpZ on a 2-D mesh]): hpZ's size must equal those ranks per node (at least two)."""
     hpz, hpz_key = config.hpz_partition_size, config.key_of("hpz_partition_size")
     per_node = len(ranks) // len({topology.node_of(rank) for rank in ranks})
     where = (f"{hpz_key}={hpz}, but {name} is sharded over {group_size} of {topology.world_size} ranks (a 2-D "
@@ -311,9 +311,6 @@ def _check_hpz_on_2d_mesh(config: ZeroPPConfig, topology: Topology, name: str, r
     if hpz != per_node:
         raise ValueError(f"{where}: hpZ's copy on a 2-D mesh spans the unit's data-parallel ranks of a node. "
                          f"Set {hpz_key}={per_node}")
-    if not config.quantized_weights:
-        raise ValueError(f"{where}: on a 2-D mesh FSDP2 keeps no secondary copy, and zeropp keeps it as qwZ's "
-                         f"codes. Set {config.key_of('quantized_weights')}=true as well, or {hpz_key}=1")
 
 
 @dataclass
@@ -371,7 +368,10 @@ def _install_comms(module: FSDPModule, groups: ProcessGroups, config: ZeroPPConf
             module, all_gather.codec(layout.shard_group_size, chunk_dtype).nbytes)
         if config.hpz_partition_size > 1 and layout.shard_group_size != groups.topology.world_size:
             node = groups.shard_groups(shard_layout(module, groups.topology)).intra_node_group
-            all_gather.secondary_codes = NodeCodesCopy(layout.shard_group_size, node, node.rank())
+            all_gather.secondary_codes = NodeCopy(layout.shard_group_size, node, node.rank())
+    elif config.hpz_partition_size > 1 and layout.shard_group_size != groups.topology.world_size:
+        node = groups.shard_groups(shard_layout(module, groups.topology)).intra_node_group
+        all_gather = NodeCopyAllGather(groups.topology, NodeCopy(layout.shard_group_size, node, node.rank()))
     else:
         all_gather = CountingAllGather(groups.topology)
         keep_secondary_as_codes(module, None)
