@@ -9,7 +9,6 @@ installed, for the engine (qgZ's error feedback) and for inspection.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import functools
 import logging
 import weakref
@@ -17,7 +16,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -27,7 +25,6 @@ from zeropp._fsdp import (
     default_divide_factor,
     fsdp_units,
     gradients_read_only_after_backward,
-    offloads_to_cpu,
     replicate_group,
     set_post_forward_mesh,
     set_process_group_timeouts,
@@ -38,6 +35,7 @@ from zeropp._fsdp import (
     unit_parameters,
 )
 from zeropp.agreement import agree, config_view, parameters_view, units_view
+from zeropp.checks import check_offload, check_patterns, check_unit, gathers_stay_in_nodes, require_process_group
 from zeropp.comms import CountingAllGather, CountingReduceScatter, Recorder, all_gather_strings, collective_timeout_s
 from zeropp.config import ZeroPPConfig
 from zeropp.hpz import (
@@ -60,7 +58,6 @@ from zeropp.topology import (
     check_hosts,
     check_world_size,
     device_type_of,
-    place_on_nodes,
 )
 from zeropp.unused import GradientPresence
 
@@ -87,12 +84,12 @@ def shard(
         units: module classes or modules to shard as separate units (each gathers its weights
             just before use); default: the repeated blocks of the model, see ``default_units``.
     """
-    _require_process_group("zeropp.shard")
+    require_process_group("zeropp.shard")
     config = config if config is not None else ZeroPPConfig()
     topology = topology if topology is not None else Topology.from_env()
     _check_layout(topology, agree([*config_view(config, topology), *parameters_view(model)]))
     check_hpz(config.hpz_partition_size, topology, config.key_of("hpz_partition_size"))
-    _check_patterns(model, config)
+    check_patterns(model, config)
     unit_modules = select_units(model, units)
     scalars = scalar_parameters(model)
     groups = build_process_groups(topology, device_type_of(model), config.hpz_partition_size)
@@ -112,20 +109,6 @@ def offload_policy(config: ZeroPPConfig) -> OffloadPolicy:
     return OffloadPolicy()
 
 
-def _check_offload(model: FSDPModule, config: ZeroPPConfig) -> None:
-    """``enable`` cannot move shards already placed by ``fully_shard``: a config asking for CPU
-    offload needs every unit sharded with ``CPUOffloadPolicy``."""
-    if config.offload != "cpu":
-        return
-    missing = [name or type(model).__name__ for name, unit in model.named_modules()
-               if isinstance(unit, FSDPModule) and unit_parameters(unit) and not offloads_to_cpu(unit)]
-    if missing:
-        raise ValueError(f"{config.key_of('offload')}={config.offload!r}, but {', '.join(missing[:3])}"
-                         f"{' and others' if len(missing) > 3 else ''} were sharded without CPU offload; zeropp.enable "
-                         "cannot move shards fully_shard placed: pass offload_policy=CPUOffloadPolicy() to "
-                         "fully_shard (or use zeropp.shard, which does)")
-
-
 def enable(model: nn.Module, config: ZeroPPConfig | None = None, *, topology: Topology | None = None) -> nn.Module:
     """Add ZeRO++ to a model already sharded with ``fully_shard`` (by the user, accelerate's FSDP2
     plugin or torchtitan), in place, and return it: qwZ and qgZ comms on every unit, hpZ's node
@@ -138,7 +121,7 @@ def enable(model: nn.Module, config: ZeroPPConfig | None = None, *, topology: To
     world, or on a 2-D mesh (tensor parallel x FSDP, HSDP) its data-parallel sub-mesh, placed on
     nodes ([Note: shard groups on nodes]).
     """
-    _require_process_group("zeropp.enable")
+    require_process_group("zeropp.enable")
     if not isinstance(model, FSDPModule):
         raise ValueError(f"zeropp.enable needs the root module sharded with fully_shard; "
                          f"{type(model).__name__} is not an FSDPModule (use zeropp.shard for a bare model)")
@@ -146,8 +129,8 @@ def enable(model: nn.Module, config: ZeroPPConfig | None = None, *, topology: To
     topology = topology if topology is not None else Topology.from_env()
     _check_layout(topology, agree([*config_view(config, topology), *units_view(model)]))
     check_hpz(config.hpz_partition_size, topology, config.key_of("hpz_partition_size"))
-    _check_patterns(model, config)
-    _check_offload(model, config)
+    check_patterns(model, config)
+    check_offload(model, config)
     return _enable(model, config, build_process_groups(topology, device_type_of(model), config.hpz_partition_size))
 
 
@@ -165,7 +148,7 @@ def _enable(model: FSDPModule, config: ZeroPPConfig, groups: ProcessGroups) -> n
         check_unit(unit, config, groups.topology, names[id(unit)] or "the root")
     for unit in units:
         set_replicas_reduced_by_comm(unit, config.quantized_replica_gradients)
-    if config.quantized_weights and not config.quantize_intra_node_weights and _gathers_stay_in_nodes(
+    if config.quantized_weights and not config.quantize_intra_node_weights and gathers_stay_in_nodes(
             units, groups.topology):
         logger.warning(
             "zeropp: %s=true, but every unit gathers its weights inside a node (HSDP's shard group): qwZ sends "
@@ -198,13 +181,6 @@ def _enable(model: FSDPModule, config: ZeroPPConfig, groups: ProcessGroups) -> n
     return model
 
 
-def _gathers_stay_in_nodes(units: list[FSDPModule], topology: Topology) -> bool:
-    """Whether every unit with parameters gathers over a group inside one node (on every rank:
-    a mesh's shard groups are alike)."""
-    groups = [shard_group_ranks(unit) for unit in units if unit_layout(unit).padded_numels]
-    return bool(groups) and all(len({topology.node_of(rank) for rank in ranks}) == 1 for ranks in groups)
-
-
 def shard_layout(unit: FSDPModule, topology: Topology) -> tuple[tuple[int, ...], ...] | None:
     """Every shard group of the mesh ``unit`` is sharded on (each its global ranks, in group
     order), or None when the unit is sharded over the world. A rank sees its own group only, so
@@ -214,17 +190,6 @@ def shard_layout(unit: FSDPModule, topology: Topology) -> tuple[tuple[int, ...],
         return None
     every = all_gather_strings(",".join(map(str, mine)))
     return tuple(tuple(int(rank) for rank in ranks.split(",")) for ranks in dict.fromkeys(every))
-
-
-def _check_patterns(model: nn.Module, config: ZeroPPConfig) -> None:
-    """Every pattern of ``unquantized_parameters`` and ``grad_full_precision_parameters`` names a
-    parameter (a typo would otherwise quantize what the user meant to keep)."""
-    names = [name for name, _ in model.named_parameters()]
-    for key in ("unquantized_parameters", "grad_full_precision_parameters"):
-        for pattern in getattr(config, key):
-            if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
-                raise ValueError(f"{config.key_of(key)} pattern {pattern!r} matches no parameter of "
-                                 f"{type(model).__name__}; its parameters are named like {names[:3]}")
 
 
 _FORWARD_AHEAD = 2
@@ -259,58 +224,6 @@ def prefetch_neighbours(model: FSDPModule) -> None:
         block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + _FORWARD_AHEAD])
         block.set_modules_to_backward_prefetch(blocks[i - 1:i] if i else [])
     set_unshard_async(model, True)
-
-
-def _require_process_group(caller: str) -> None:
-    if not dist.is_initialized():
-        raise RuntimeError(f"{caller} needs torch.distributed initialised: call "
-                           "dist.init_process_group (torchrun sets the environment for it) first")
-
-
-def check_unit(unit: FSDPModule, config: ZeroPPConfig, topology: Topology, name: str) -> None:
-    """A unit sharded by someone else must suit the techniques asked for; the error names the unit
-    (``name``, its path in the model) and says how to shard it instead."""
-    layout = unit_layout(unit)
-    name = f"unit {name!r} ({type(unit).__name__})"
-    if config.quantized_gradients and layout.padded_numels and layout.shard_group_size != topology.world_size:
-        try:
-            place_on_nodes(topology, shard_group_ranks(unit))
-        except ValueError as error:
-            raise ValueError(f"{config.key_of('quantized_gradients')}: {name} reduce-scatters over {error}; or "
-                             f"turn {config.key_of('quantized_gradients')} off") from None
-    if config.quantized_replica_gradients and layout.padded_numels and replicate_group(unit) is None:
-        raise ValueError(
-            f"{config.key_of('quantized_replica_gradients')}=true quantizes the gradients' all-reduce across HSDP's "
-            f"replicas, but {name} has no replicas (sharded on a 1-D mesh or a tensor parallel x FSDP one): shard "
-            "it with fully_shard(module, mesh=<(replicate, shard) mesh>) or leave the option off")
-    hpz, hpz_key = config.hpz_partition_size, config.key_of("hpz_partition_size")
-    if hpz > 1 and layout.padded_numels and layout.shard_group_size != topology.world_size:
-        _check_hpz_on_2d_mesh(config, topology, name, shard_group_ranks(unit), layout.shard_group_size)
-    if hpz > 1 and layout.padded_numels and layout.post_forward_group_size not in (hpz, layout.shard_group_size):
-        raise ValueError(
-            f"{hpz_key}={hpz}, but {name} was sharded with reshard_after_forward="
-            f"{layout.post_forward_group_size} (its weights stay sharded over that many ranks after forward): "
-            f"shard it with reshard_after_forward=True (zeropp.enable then sets hpZ's partition) or {hpz}, "
-            f"or set {hpz_key}={layout.post_forward_group_size}")
-
-
-def _check_hpz_on_2d_mesh(config: ZeroPPConfig, topology: Topology, name: str, ranks: Sequence[int],
-                          group_size: int) -> None:
-    """hpZ on a unit of a 2-D mesh keeps its copy over the unit's data-parallel ranks on each
-    node ([Note: hpZ on a 2-D mesh]): hpZ's size must equal those ranks per node (at least two)."""
-    hpz, hpz_key = config.hpz_partition_size, config.key_of("hpz_partition_size")
-    per_node = len(ranks) // len({topology.node_of(rank) for rank in ranks})
-    where = (f"{hpz_key}={hpz}, but {name} is sharded over {group_size} of {topology.world_size} ranks (a 2-D "
-             f"mesh: tensor parallel x FSDP, or HSDP), {per_node} of them on each node")
-    if per_node == 1:
-        raise ValueError(f"{where}: a node holds no partition of its data-parallel group to keep hpZ's copy in. "
-                         f"Set {hpz_key}=1 (qwZ and qgZ work on this layout)")
-    if per_node == group_size:
-        raise ValueError(f"{where}: its shard group is one node already (HSDP), so backward's gather never "
-                         f"crosses nodes and hpZ has nothing to save. Set {hpz_key}=1")
-    if hpz != per_node:
-        raise ValueError(f"{where}: hpZ's copy on a 2-D mesh spans the unit's data-parallel ranks of a node. "
-                         f"Set {hpz_key}={per_node}")
 
 
 @dataclass
