@@ -20,7 +20,7 @@ import torch.distributed as dist
 from zeropp._fsdp import AllGather, UnitLayout
 from zeropp.codes.codec import ChunkCodec, segments_for
 from zeropp.comms import Completion, GatherAhead, RecordedComm, Started, all_gather, buffered
-from zeropp.hpz import NodeCopy
+from zeropp.hpz_mesh import NodeCopy
 from zeropp.ledger import CommLedger, GroupKind
 from zeropp.topology import ProcessGroups, Topology
 
@@ -159,7 +159,7 @@ class QuantizedAllGather(RecordedComm, GatherAhead, AllGather):
 
     def _gather_node_codes(self, codes: torch.Tensor, input_tensor: torch.Tensor, async_op: bool) -> Started:
         """Backward's gather on a 2-D mesh, from the rows hpZ keeps on the node ([Note: hpZ on a
-        2-D mesh] in ``zeropp.hpz``): the node's ranks' rows, in index order, are the forward's
+        2-D mesh] in ``zeropp.hpz_mesh``): the node's ranks' rows, in index order, are the forward's
         S payload rows. FSDP2's input is not read."""
         copy = self.secondary_codes
         codec = self.codec(copy.group_size, input_tensor.dtype)

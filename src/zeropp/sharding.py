@@ -39,14 +39,13 @@ from zeropp.checks import check_offload, check_patterns, check_unit, gathers_sta
 from zeropp.comms import CountingAllGather, CountingReduceScatter, Recorder, all_gather_strings, collective_timeout_s
 from zeropp.config import ZeroPPConfig
 from zeropp.hpz import (
-    NodeCopy,
-    NodeCopyAllGather,
     check_hpz,
     generate_in_generation_mode,
     has_secondary_copy,
     keep_secondary_as_codes,
     keep_secondary_copies_fresh,
 )
+from zeropp.hpz_mesh import NodeCopy, NodeCopyAllGather
 from zeropp.qgz import HierarchicalQuantizedReduceScatter, full_precision_gradients
 from zeropp.qwz import QuantizedAllGather, quantized_parameters
 from zeropp.replicas import ReplicatedReduceScatter
