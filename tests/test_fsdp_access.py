@@ -269,9 +269,13 @@ def test_every_mode_has_one_name_and_a_config() -> None:
     assert MODES["qgz_int8_intra"].config(2, block_size=64) == zeropp.ZeroPPConfig(
         quantized_gradients=True, grad_bits_intra=8, grad_bits_inter=4, block_size=64)
     assert "hsdp" not in zeropp_modes() and "deepspeed" not in zeropp_modes() and "zero3" in zeropp_modes()
+    assert "tp_zero3" not in zeropp_modes() and MODES["tp_qwz_qgz"].tensor_parallel == 2
     assert {MODES[name].system for name in ("hsdp", "deepspeed")} == {System.HSDP, System.DEEPSPEED}
-    with pytest.raises(ValueError, match="mode 'hsdp' runs hsdp, not zeropp"):
-        MODES["hsdp"].config(2)
+    # an HSDP mode's config is what zeropp.enable adds to FSDP2's hybrid sharding
+    assert MODES["hsdp"].config(2) == zeropp.ZeroPPConfig()
+    assert MODES["hsdp_quantized"].config(2) == zeropp.ZeroPPConfig(quantized_replica_gradients=True)
+    with pytest.raises(ValueError, match="mode 'deepspeed' runs deepspeed, not zeropp"):
+        MODES["deepspeed"].config(2)
 
 
 @pytest.mark.parametrize("text,message", [
