@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import json
 import math
-from collections import defaultdict
 from dataclasses import replace
 
 import pytest
 import torch
 
 from distributed import run_distributed
+from test_plan import _measured_rows, _traffic_job
 from zeropp.config import ZeroPPConfig
-from zeropp.ledger import COUNTS, GroupKind, Op
-from zeropp.tools.bench.worker import WorkerConfig, run
+from zeropp.ledger import GroupKind, Op
+from zeropp.tools.bench.worker import WorkerConfig
 from zeropp.tools.models import GPT, GPTConfig
 from zeropp.tools.modes import MODES
 from zeropp.tools.plan import cost, memory, scale, table, traffic
@@ -259,21 +259,6 @@ def test_the_existing_api_prices_the_layouts_it_always_meant() -> None:
                                                                              layout=layout)
         assert cost.step_time(shape, config, topology, workload, scale.H100_NODE) == cost.step_time(
             shape, config, topology, workload, scale.H100_NODE, layout)
-
-
-def _traffic_job(rank: int, world_size: int, config: WorkerConfig) -> dict | None:
-    return run(config)
-
-
-def _measured_rows(ledgers: list[dict]) -> dict[tuple, dict[str, int]]:
-    """Every rank's ledger rows, summed per row key (``traffic.ledger_rows``' keys)."""
-    rows: dict[tuple, dict[str, int]] = defaultdict(lambda: dict.fromkeys(COUNTS, 0))
-    for ledger in ledgers:
-        for r in ledger["rows"]:
-            key = (r["phase"], r["op"], r["kind"], r["group_size"], r["dtype"], r["technique"])
-            for count in COUNTS:
-                rows[key][count] += int(r[count])
-    return dict(rows)
 
 
 def _demo_units(config: WorkerConfig, vocab_size: int, degree: int) -> list[model_shape.UnitShape]:
