@@ -227,13 +227,13 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
         Both hops run over column slices of the chunk: for each slice, hop 1 codes the slice of
         every row bound for another rank, exchanges, decodes and sums it into the slice of the
         partial sums, then hop 2 does the same with those, and the slice's output is written. The
-        temporaries (the rows copied out for coding, the payloads, the decoded rows) are the
-        slice's, not the chunk's. A slice starts where a block starts (a group of blocks, with
-        grouped scales) within each parameter's segment, so every block is the one the unsliced
-        call codes, and each element is summed in the same order: the output is bit for bit the
-        unsliced one. Stochastic rounding draws its uniforms in one stream per hop, so it runs in
-        one slice (as does a call that may finish late, ``overlap``), as do units whose rows fit
-        the bound."""
+        temporaries (the payloads sent and received, one source's decoded rows, the partial sums)
+        are the slice's, not the chunk's; the rows sent are coded from views of the input. A
+        slice starts where a block starts (a group of blocks, with grouped scales) within each
+        parameter's segment, so every block is the one the unsliced call codes, and each element
+        is summed in the same order: the output is bit for bit the unsliced one. Stochastic
+        rounding draws its uniforms in one stream per hop, so it runs in one slice (as does a call
+        that may finish late, ``overlap``), as do units whose rows fit the bound."""
         if whole or self.slice_bytes is None or self.code.rounding == "stochastic":
             return [self._whole(chunk_numel)]
         if chunk_numel not in self._slices:

@@ -269,6 +269,11 @@ def _install_comms(module: FSDPModule, groups: ProcessGroups, config: ZeroPPConf
     named = dataclasses.replace(layout, names=[param_names.get(id(p), "?") for p in unit_parameters(module)])
     quantized = quantized_parameters(named, config.quantized_weights, config.quantized_nontrainable_weights,
                                      config.unquantized_parameters)
+    shard = (groups.shard_groups(shard_layout(module, groups.topology))
+             if config.quantized_gradients or config.hpz_partition_size > 1 else None)
+    node_copy = None  # hpZ on a 2-D mesh: the copy zeropp keeps on the node ([Note: hpZ on a 2-D mesh])
+    if config.hpz_partition_size > 1 and layout.shard_group_size != groups.topology.world_size:
+        node_copy = NodeCopy(layout.shard_group_size, shard.intra_node_group, shard.intra_node_group.rank())
     if any(quantized):
         all_gather = QuantizedAllGather(
             groups.topology, layout.padded_numels, quantized, bits=config.weight_bits,
@@ -278,12 +283,10 @@ def _install_comms(module: FSDPModule, groups: ProcessGroups, config: ZeroPPConf
         chunk_dtype = layout.gather_dtypes[0] if len(set(layout.gather_dtypes)) == 1 else torch.uint8
         all_gather.secondary_codes = keep_secondary_as_codes(
             module, all_gather.codec(layout.shard_group_size, chunk_dtype).nbytes)
-        if config.hpz_partition_size > 1 and layout.shard_group_size != groups.topology.world_size:
-            node = groups.shard_groups(shard_layout(module, groups.topology)).intra_node_group
-            all_gather.secondary_codes = NodeCopy(layout.shard_group_size, node, node.rank())
-    elif config.hpz_partition_size > 1 and layout.shard_group_size != groups.topology.world_size:
-        node = groups.shard_groups(shard_layout(module, groups.topology)).intra_node_group
-        all_gather = NodeCopyAllGather(groups.topology, NodeCopy(layout.shard_group_size, node, node.rank()))
+        if node_copy is not None:
+            all_gather.secondary_codes = node_copy
+    elif node_copy is not None:
+        all_gather = NodeCopyAllGather(groups.topology, node_copy)
     else:
         all_gather = CountingAllGather(groups.topology)
         keep_secondary_as_codes(module, None)
@@ -293,7 +296,6 @@ def _install_comms(module: FSDPModule, groups: ProcessGroups, config: ZeroPPConf
         [s for s, t in zip(layout.shapes, layout.trainable) if t],
         config.grad_full_precision_parameters, config.grad_full_precision_below)
     if config.quantized_gradients:
-        shard = groups.shard_groups(shard_layout(module, groups.topology))
         reduce_scatter = HierarchicalQuantizedReduceScatter(
             groups, trainable, bits_intra=config.grad_bits_intra, bits_inter=config.grad_bits_inter,
             block_size=config.gradient_block_size, error_feedback=config.error_feedback, code=config.gradient_code,
