@@ -54,15 +54,18 @@ def _trainer_worker(rank: int, world_size: int, runs: list[tuple[str, bool]], ou
         if mode == "ddp":
             trainer = Trainer(model=model, args=args, train_dataset=Sequences())
         else:
+            audit = {"audit_every": 2} if mode == "all" and not lora else {}  # changes no number
             trainer = ZeroPPTrainer(model, args=args, train_dataset=Sequences(),
-                                    zeropp_config=MODES[mode].config(2))
+                                    zeropp_config=MODES[mode].config(2, **audit))
         trainer.train()
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        audited = [entry for entry in trainer.state.log_history if "zeropp/audit/qwZ/relative_error" in entry]
         final = {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for n, p in model.named_parameters()}
         unchanged = all(torch.equal(final[n], initial[n]) for n, p in model.named_parameters() if not p.requires_grad)
         trained = all(not torch.equal(final[n], initial[n]) for n, p in model.named_parameters() if p.requires_grad)
         by_technique = ledger.summary()["by_technique"]
         results[(mode, lora)] = {"losses": losses, "frozen_unchanged": unchanged, "all_trained": trained,
+                                 "audited": [(entry["step"], entry["zeropp/audit/qwZ/bound"]) for entry in audited],
                                  "cross_node": {k: v["cross_node_bytes"] for k, v in by_technique.items()}}
     return results
 
@@ -74,7 +77,8 @@ def test_trainer_with_zeropp_trains_like_trainer_with_ddp(tmp_path) -> None:
     same gradients (fp32 summation order only): losses within 1e-5 relative. All three: INT8
     weights and INT4 gradients (relative RMS errors ~0.7% and ~13% per reduce-scatter, measured)
     move each step's loss by well under 2% on this model (measured: 0.33% at most); asserted
-    <= 2%. The ledger shows each technique's cross-node bytes."""
+    <= 2%. The ledger shows each technique's cross-node bytes. The all-three run audits every
+    2nd step, and Trainer logs the audit's rows with the loss."""
     runs = [("ddp", False), ("zero3", False), ("all", False)]
     result = run_distributed(_trainer_worker, 4, runs, str(tmp_path), env=TWO_BY_TWO, timeout=300)[0]
     ddp, zero3, every = (result[(mode, False)] for mode in ("ddp", "zero3", "all"))
@@ -86,6 +90,8 @@ def test_trainer_with_zeropp_trains_like_trainer_with_ddp(tmp_path) -> None:
         assert abs(ours - theirs) <= 0.02 * theirs, (every["losses"], ddp["losses"])
     assert {"qwZ", "qgZ"} <= set(every["cross_node"]) and every["cross_node"]["qgZ"] > 0
     assert "qgZ" not in zero3["cross_node"]
+    # the audit (every 2nd step) reaches Trainer's log as metrics
+    assert [step for step, _ in every["audited"]] == [2, 4, 6] and all(0 < b < 1 for _, b in every["audited"])
 
 
 @pytest.mark.slow

@@ -37,7 +37,8 @@ class TinyLlama(L.LightningModule):
         import zeropp
         from zeropp.tools.modes import MODES
 
-        config = MODES["zero3" if self.how == "zero3" else "all"].config(2)
+        audit = {} if self.how in ("plain", "zero3") else {"audit_every": 1}  # changes no number
+        config = MODES["zero3" if self.how == "zero3" else "all"].config(2, **audit)
         if self.how == "shard":
             zeropp.shard(self.model, config)
             return
@@ -61,6 +62,7 @@ def _lightning_worker(rank: int, world_size: int, runs: tuple[str, ...]) -> dict
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     import zeropp
+    from zeropp.integrations.lightning import ZeroPPAudit
 
     g = torch.Generator().manual_seed(0)
     rows = (torch.randint(0, VOCAB, (64, 1), generator=g)
@@ -69,12 +71,14 @@ def _lightning_worker(rank: int, world_size: int, runs: tuple[str, ...]) -> dict
     for how in runs:
         trainer = L.Trainer(accelerator="cpu", devices=world_size, max_steps=STEPS, logger=False,
                             strategy=ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1),
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=[ZeroPPAudit()])
         module = TinyLlama(how)
         zeropp.comm_ledger().reset()
         trainer.fit(module, torch.utils.data.DataLoader(rows, batch_size=2))
         cross_node = {k: v["cross_node_bytes"] for k, v in zeropp.comm_ledger().summary()["by_technique"].items()}
-        results[how] = {"losses": module.losses, "cross_node": cross_node}
+        results[how] = {"losses": module.losses, "cross_node": cross_node,
+                        "audit": sorted(k for k in trainer.logged_metrics if k.startswith("zeropp/audit/"))}
     return results
 
 
@@ -84,7 +88,8 @@ def test_zeropp_on_lightnings_model_parallel_strategy_trains_like_lightning() ->
     Lightning's strategy sharded gives Lightning's own losses bit for bit (the same collectives,
     counted); all three techniques stay within 2% per step (INT8 weights and INT4 gradients;
     measured 0.2% at most), with qwZ and qgZ bytes crossing nodes; ``zeropp.shard`` inside
-    ``configure_model`` shards the same units and gives the same losses as ``enable``."""
+    ``configure_model`` shards the same units and gives the same losses as ``enable``. Both audit
+    every step (which changes no number), and ``ZeroPPAudit`` logs the rows as metrics."""
     result = run_distributed(_lightning_worker, 4, ("plain", "zero3", "all", "shard"), env=TWO_BY_TWO,
                              timeout=300)[0]
     print("losses", {how: run["losses"] for how, run in result.items()})
@@ -96,3 +101,7 @@ def test_zeropp_on_lightnings_model_parallel_strategy_trains_like_lightning() ->
     assert result["shard"]["losses"] == every
     assert result["all"]["cross_node"]["qwZ"] > 0 and result["all"]["cross_node"]["qgZ"] > 0
     assert "qgZ" not in result["zero3"]["cross_node"]
+    # the audit (every step) reaches Lightning's loggers through the callback; none without it
+    assert result["all"]["audit"] == [f"zeropp/audit/{t}/{m}" for t in ("qgZ", "qwZ")
+                                      for m in ("bound", "over_bound", "relative_error")]
+    assert result["zero3"]["audit"] == []

@@ -13,10 +13,12 @@ import importlib
 from typing import Any
 
 _PUBLIC = {
+    "AuditRow": "zeropp.audit",
     "CommLedger": "zeropp.ledger",
     "Topology": "zeropp.topology",
     "ZeroPPConfig": "zeropp.config",
     "ZeroPPEngine": "zeropp.engine",
+    "audit_report": "zeropp.audit",
     "comm_ledger": "zeropp.ledger",
     "enable": "zeropp.sharding",
     "generation_mode": "zeropp.hpz",

@@ -8,6 +8,7 @@ and ``CountingReduceScatter`` are FSDP2's default collectives, counted, for plai
 
 from __future__ import annotations
 
+import copy
 import datetime
 import os
 from collections import deque
@@ -397,6 +398,16 @@ class Completion:
 
     def __call__(self, output_tensor: torch.Tensor) -> None:
         self._write(output_tensor)
+
+    def followed_by(self, after: Callable[[torch.Tensor], None]) -> Completion:
+        """This completion, then ``after`` on the output it wrote (the same payload held)."""
+        def write(output_tensor: torch.Tensor) -> None:
+            self._write(output_tensor)
+            after(output_tensor)
+
+        completion = copy.copy(self)
+        completion._write = write
+        return completion
 
 
 def buffered(buffer: torch.Tensor) -> Completion:

@@ -145,13 +145,14 @@ def _check_type_name(key: str, value: Any, names: Mapping[str, Any], any_case: b
 _ZEROPP_CHECKS: dict[str, Checker] = {
     **dict.fromkeys(("quantized_weights", "quantized_nontrainable_weights", "quantized_gradients",
                      "quantize_intra_node_weights", "error_feedback", "low_bit_trainable_weights", "overlap",
-                     "hierarchical_gather", "offload_pin_memory", "quantized_replica_gradients"),
+                     "hierarchical_gather", "offload_pin_memory", "quantized_replica_gradients", "audit_fallback"),
                     _BOOL),
     "offload": _OFFLOAD,
     "hpz_partition_size": _POSITIVE_INT,
     "block_size": _BLOCK_SIZE,
     "grad_block_size": _optional(_BLOCK_SIZE),
     "grad_slice_bytes": _optional(_POSITIVE_INT),
+    "audit_every": _NON_NEGATIVE_INT,
     "weight_bits": _WEIGHT_BITS,
     "weight_code": _WEIGHT_CODE,
     "unquantized_parameters": _PATTERNS,
@@ -272,6 +273,15 @@ class ZeroPPConfig(_KeyedConfig):
     offload_pin_memory: bool = True
     """With ``offload="cpu"``: keep the host shards in page-locked memory (where CUDA is present),
     so the copies to and from the device run asynchronously (DeepSpeed's ``pin_memory``)."""
+    audit_every: int = 0
+    """Every this many training forwards (micro-batches), one unit, in rotation, runs its next qwZ
+    gather and qgZ reduce-scatter beside the exact full-precision collective and records the
+    error against the bound its codes allow (``zeropp.audit_report()``; the engine, the HF Trainer
+    and Lightning log it); a unit beyond its bound is named in a warning. 0 = off. Its cost, and
+    how to turn it on in each stack: docs/guide.md, "The live audit". See zeropp.audit [Note: the audit]."""
+    audit_fallback: bool = False
+    """With ``audit_every``: a unit whose error exceeds its bound switches to exact collectives
+    (FSDP2's own) from the next training forward on, for the rest of the run."""
     param_dtype: torch.dtype | None = None
     """Dtype of compute and of the weight all-gathers (mixed precision); None keeps the model's."""
     reduce_dtype: torch.dtype | None = None
@@ -295,6 +305,10 @@ class ZeroPPConfig(_KeyedConfig):
                              f"{key('grad_rounding')}={self.grad_rounding!r}, {key('grad_levels')}="
                              f"{self.grad_levels!r}, {key('grad_scale_bits')}={self.grad_scale_bits}): "
                              "leave those at their defaults, or spare no parameter")
+        if self.audit_fallback and not self.audit_every:
+            raise ValueError(f"{key('audit_fallback')}=true switches a unit the audit finds beyond its bound to exact "
+                             f"collectives, but the audit is off: set {key('audit_every')} to a number of steps "
+                             "(e.g. 100), or leave audit_fallback false")
         if self.hierarchical_gather and not self.quantizes_weights:
             raise ValueError(f"{key('hierarchical_gather')}=true changes qwZ's weight gather, which is off: set "
                              f"{key('quantized_weights')}=true or {key('quantized_nontrainable_weights')}=true, "
@@ -557,7 +571,7 @@ _DEEPSPEED_KEYS: dict[str, tuple[str, str]] = {
         "grad_full_precision_below", "grad_bits_intra", "grad_bits_inter",
         "quantize_intra_node_weights", "error_feedback", "low_bit_trainable_weights", "grad_rotation",
         "grad_rounding", "grad_levels", "grad_block_size", "grad_scale_bits", "overlap", "hierarchical_gather",
-        "grad_slice_bytes", "quantized_replica_gradients")},
+        "grad_slice_bytes", "quantized_replica_gradients", "audit_every", "audit_fallback")},
     "bf16.enabled": ("training", "bf16"),
     "fp16.enabled": ("training", "fp16"),
     **{f"fp16.{name}": ("training", name) for name in (

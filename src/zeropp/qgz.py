@@ -20,9 +20,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from zeropp.audit import TECHNIQUE as AUDIT_TECHNIQUE
+from zeropp.audit import Auditable, Request, Tally
+from zeropp.codes.bounds import block_constant, coding_bound
 from zeropp.codes.codec import ChunkCodec, Segment, segments_for
 from zeropp.codes.gradcode import GradientCode
-from zeropp.comms import LateReduceScatter, Reduction, all_to_all, nbytes, reduction_of
+from zeropp.comms import LateReduceScatter, Reduction, all_to_all, nbytes, reduce_scatter, reduction_of
 from zeropp.ledger import CommLedger
 from zeropp.topology import ProcessGroups, ShardGroups
 
@@ -90,7 +93,7 @@ class _Exchange:
     codec: ChunkCodec
 
 
-class HierarchicalQuantizedReduceScatter(LateReduceScatter):
+class HierarchicalQuantizedReduceScatter(Auditable, LateReduceScatter):
     """qgZ: the gradient reduce-scatter as two quantized all-to-all hops, intra-node then
     inter-node, reduced in fp32 between them (ZeRO++ section 3.3). See [Note: qgZ remap].
 
@@ -207,17 +210,26 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
         reduction = reduction_of(op)
         chunk_numel = output_tensor.numel()
         rows = input_tensor.view(topology.world_size, chunk_numel)
+        request = self.take_audit()
         if topology.num_nodes > 1 and self.finishes_late(output_tensor, op):
             # hop 2 crosses nodes: with ``overlap`` it may finish later ([Note: late reduce-scatter]), whole
             whole = self.slices(chunk_numel, whole=True)[0]
-            exchange = self._send(self._intra_node_hop(rows, whole), whole.inter, 2, self.groups.inter_node_group,
-                                  async_op=True)
-            self.complete(functools.partial(self._finish_inter_node_hop, exchange, output_tensor, reduction), True)
+            check = None if request is None else _SliceCheck(self, rows, whole, group)
+            exchange = self._send(self._intra_node_hop(rows, whole, check), whole.inter, 2,
+                                  self.groups.inter_node_group, async_op=True, bounds=check and check.hop2_bounds)
+            self.complete(functools.partial(self._finish_inter_node_hop, exchange, output_tensor, reduction, check,
+                                            request), True)
             return None
 
         def reduce_every_slice() -> None:
+            tally = Tally()
             for piece in self.slices(chunk_numel):
-                self._reduce_slice(rows, piece, output_tensor.view(-1), reduction)
+                check = None if request is None else _SliceCheck(self, rows, piece, group)
+                self._reduce_slice(rows, piece, output_tensor.view(-1), reduction, check)
+                if check is not None:
+                    check.finish(output_tensor.view(-1), reduction, tally)
+            if request is not None:
+                request.record(self.technique, tally)
 
         self.complete(reduce_every_slice, False)
         return None
@@ -250,20 +262,27 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
         codecs = (self.codec(chunk_numel, bits) for bits in (self.bits_intra, self.bits_inter))
         return _Slice((0, chunk_numel), *codecs)
 
-    def _reduce_slice(self, rows: torch.Tensor, piece: _Slice, out: torch.Tensor, reduction: Reduction) -> None:
-        """Both hops over one slice of columns, and its output ([Note: qgZ slices])."""
+    def _reduce_slice(self, rows: torch.Tensor, piece: _Slice, out: torch.Tensor, reduction: Reduction,
+                      check: _SliceCheck | None = None) -> None:
+        """Both hops over one slice of columns, and its output ([Note: qgZ slices]); ``check``
+        collects the bounds of the audit ([Note: the audit] in ``zeropp.audit``)."""
         start, stop = piece.columns
-        partial = self._intra_node_hop(rows, piece)
+        partial = self._intra_node_hop(rows, piece, check)
         if self.placement.num_nodes > 1:
             exchange = self._send(partial, piece.inter, 2, self.groups.inter_node_group,
-                                  columns=piece.columns, chunk_numel=rows.shape[1])
+                                  columns=piece.columns, chunk_numel=rows.shape[1],
+                                  bounds=check and check.hop2_bounds)
             partial = self._summed(exchange)
         self._write(partial.view(-1), out[start:stop], reduction)
 
-    def _finish_inter_node_hop(self, exchange: _Exchange, output_tensor: torch.Tensor,
-                               reduction: Reduction) -> None:
-        """Hop 2's end: sum the N partials received into this rank's chunk."""
+    def _finish_inter_node_hop(self, exchange: _Exchange, output_tensor: torch.Tensor, reduction: Reduction,
+                               check: _SliceCheck | None = None, request: Request | None = None) -> None:
+        """Hop 2's end: sum the N partials received into this rank's chunk (and audit it)."""
         self._write(self._summed(exchange).view(-1), output_tensor.view(-1), reduction)
+        if check is not None:
+            tally = Tally()
+            check.finish(output_tensor.view(-1), reduction, tally)
+            request.record(self.technique, tally)
 
     def _write(self, total: torch.Tensor, output_tensor: torch.Tensor, reduction: Reduction) -> None:
         """The fp32 ``total`` reduced as asked (AVG divides by the shard group's size, PREMUL_SUM
@@ -290,7 +309,7 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
 
     def _send(self, rows: torch.Tensor, codec: ChunkCodec, hop: int, group: dist.ProcessGroup,
               remap: bool = False, async_op: bool = False, columns: tuple[int, int] | None = None,
-              chunk_numel: int | None = None) -> _Exchange:
+              chunk_numel: int | None = None, bounds: torch.Tensor | None = None) -> _Exchange:
         """Start sending ``rows`` (k, s) to the group's ranks (k / size rows each, in the order of
         [Note: qgZ remap] with ``remap``); ``_summed`` gives the sum of what every rank sent.
 
@@ -298,7 +317,8 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
         payload. Only the rows bound for other ranks are quantized; the block this rank owes
         itself stays in fp32 and never enters the collective, which sends it nothing (see
         [Note: qgZ own rows]). With error feedback a peer's rows and residual are added first
-        (a copy of that peer's rows only).
+        (a copy of that peer's rows only). ``bounds`` (shaped as ``rows``, audited calls only)
+        gains the bound of each coding's error, and of the residual it adds.
         """
         route = self._route(rows.shape[0], group, remap)
         if columns is None:  # the rows are whole chunks
@@ -317,7 +337,11 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
             if spared:
                 x = x.float()  # spared gradients travel in fp32 ([Note: full-precision gradients])
             if residual is not None:
+                if bounds is not None:
+                    route.rows_of(bounds, peer).add_(block_constant(codec, route.rows_of(residual, peer).abs()))
                 x = x.float() + route.rows_of(residual, peer)
+            if bounds is not None:
+                route.rows_of(bounds, peer).add_(coding_bound(codec, x))
             codec.encode(x, packed[route.slot(peer)], generator)
             if residual is not None:
                 finite = self._keep_residual(x, packed[route.slot(peer)], codec, route.rows_of(residual, peer), finite)
@@ -365,7 +389,7 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
                 total.add_(term)
         return total
 
-    def _intra_node_hop(self, rows: torch.Tensor, piece: _Slice) -> torch.Tensor:
+    def _intra_node_hop(self, rows: torch.Tensor, piece: _Slice, check: _SliceCheck | None = None) -> torch.Tensor:
         """Hop 1 over a slice of the (W, S) rows (row n*D + d owed to rank n*D + d): local rank d
         gets rows [:, d] from each node peer and sums them: the (N, s) partials, in fp32."""
         start, stop = piece.columns
@@ -373,7 +397,45 @@ class HierarchicalQuantizedReduceScatter(LateReduceScatter):
         if self.placement.ranks_per_node == 1:
             return columns.float()
         return self._summed(self._send(columns, piece.intra, 1, self.groups.intra_node_group, remap=True,
-                                       columns=piece.columns, chunk_numel=rows.shape[1]))
+                                       columns=piece.columns, chunk_numel=rows.shape[1],
+                                       bounds=check and check.bounds))
+
+
+class _SliceCheck:
+    """The audit of one slice ([Note: the audit] in ``zeropp.audit``): this rank's exact rows of
+    the slice and, beside them, the bound of every coding of its rows in either hop, laid out as
+    the rows whose output they affect (hop 1 codes rows of the input; hop 2 codes the partial of
+    chunk n*D + d, for local index d). After the hops one fp32 reduce-scatter of both sums every
+    rank's rows, giving this rank the exact output and its bound. Each row also carries the
+    bound of fp32 summation in another order ([Note: block-constant bounds])."""
+
+    def __init__(self, comm: HierarchicalQuantizedReduceScatter, rows: torch.Tensor, piece: _Slice,
+                 group: dist.ProcessGroup) -> None:
+        start, stop = piece.columns
+        num_rows, width = rows.shape[0], stop - start
+        self.comm, self.piece, self.group = comm, piece, group
+        self.stack = torch.empty((num_rows, 2 * width), dtype=torch.float32, device=rows.device)
+        self.stack[:, :width].copy_(rows[:, start:stop])
+        self.bounds = self.stack[:, width:]
+        self.bounds.copy_(block_constant(piece.intra, self.stack[:, :width].abs()).mul_(num_rows * 2.0 ** -23))
+        placement = comm.placement
+        local_index = group.rank() % placement.ranks_per_node
+        self.hop2_bounds = self.bounds.view(placement.num_nodes, placement.ranks_per_node, width)[:, local_index]
+
+    def finish(self, output: torch.Tensor, reduction: Reduction, tally: Tally) -> None:
+        """The exact reduce-scatter of rows and bounds, and this rank's slice of ``output`` held against it."""
+        start, stop = self.piece.columns
+        width = stop - start
+        reduced = self.stack.new_empty(2 * width)
+        reduce_scatter(reduced, self.stack.view(-1), dist.ReduceOp.SUM, self.group, self.comm.recorder,
+                       AUDIT_TECHNIQUE)
+        size = self.comm.placement.world_size
+        exact = reduction.apply(reduced[:width], size).view(1, -1)
+        scale = 1.0 / size if reduction.kind == dist.ReduceOp.AVG else abs(reduction.factor or 1.0)
+        rounding = 2.0 ** -23 + (0.0 if output.dtype == torch.float32 else torch.finfo(output.dtype).eps)
+        bound = reduced[width:].view(1, -1).mul_(scale).add_(block_constant(self.piece.inter, exact.abs()),
+                                                             alpha=rounding)
+        tally.add(self.piece.inter, output[start:stop].view(1, -1), exact, bound)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from zeropp._fsdp import AllGather, UnitLayout
+from zeropp.audit import Auditable, Request, Tally, exact_gather_rows
+from zeropp.codes.bounds import coding_bound
 from zeropp.codes.codec import ChunkCodec, segments_for
 from zeropp.comms import Completion, GatherAhead, RecordedComm, Started, all_gather, buffered
 from zeropp.hpz_mesh import NodeCopy
@@ -55,7 +57,7 @@ def has_two_hops(topology: Topology) -> bool:
     return topology.num_nodes > 1 and topology.ranks_per_node > 1
 
 
-class QuantizedAllGather(RecordedComm, GatherAhead, AllGather):
+class QuantizedAllGather(RecordedComm, GatherAhead, Auditable, AllGather):
     """qwZ's all-gather of one unit.
 
     Each parameter's slice is quantized on its own (a scale never spans two tensors).
@@ -126,14 +128,27 @@ class QuantizedAllGather(RecordedComm, GatherAhead, AllGather):
         if codec.numel != input_tensor.numel():
             raise RuntimeError(f"qwZ all-gather got a chunk of {input_tensor.numel()} elements, but the "
                                f"unit's parameters make chunks of {codec.numel} on {info.size} ranks")
+        request = None if codec.byte_mode else self.take_audit()
+        exact = None if request is None else exact_gather_rows(input_tensor, group, info.size, self.recorder)
         send = torch.empty((1, codec.nbytes), dtype=torch.uint8, device=input_tensor.device)
         codec.encode(input_tensor.view(1, -1), send)
         if self.two_hop is not None and info.size == self.topology.world_size and has_two_hops(self.topology):
-            return self._gather_in_two_hops(send, codec, async_op)
-        received = torch.empty((info.size, codec.nbytes), dtype=torch.uint8, device=input_tensor.device)
-        work = all_gather(received.view(-1), send.view(-1), group, self.recorder, self.technique,
-                          dtype=f"int{self.bits}", async_op=async_op)
-        return work, Completion(received, lambda output: self._decode(received, codec, output))
+            work, completion = self._gather_in_two_hops(send, codec, async_op)
+        else:
+            received = torch.empty((info.size, codec.nbytes), dtype=torch.uint8, device=input_tensor.device)
+            work = all_gather(received.view(-1), send.view(-1), group, self.recorder, self.technique,
+                              dtype=f"int{self.bits}", async_op=async_op)
+            completion = Completion(received, lambda output: self._decode(received, codec, output))
+        if request is not None:  # [Note: the audit]
+            completion = completion.followed_by(lambda output: self._check(request, codec, output, exact))
+        return work, completion
+
+    def _check(self, request: Request, codec: ChunkCodec, output_tensor: torch.Tensor, exact: torch.Tensor) -> None:
+        """The audit of one gather: the decoded weights against the exact ones, within the code's bound."""
+        tally = Tally()
+        tally.add(codec, output_tensor.view(len(exact), -1), exact,
+                  coding_bound(codec, exact, out_dtype=output_tensor.dtype))
+        request.record(self.technique, tally)
 
     def _decode(self, received: torch.Tensor, codec: ChunkCodec, output_tensor: torch.Tensor) -> None:
         """Decode every rank's payload row into the output, and hand the rows to hpZ's copy."""

@@ -35,6 +35,7 @@ from zeropp._fsdp import (
     unit_parameters,
 )
 from zeropp.agreement import agree, config_view, parameters_view, units_view
+from zeropp.audit import Audit, Auditable, AuditedUnit, install_audit
 from zeropp.checks import check_offload, check_patterns, check_unit, gathers_stay_in_nodes, require_process_group
 from zeropp.comms import CountingAllGather, CountingReduceScatter, Recorder, all_gather_strings, collective_timeout_s
 from zeropp.config import ZeroPPConfig
@@ -166,6 +167,7 @@ def _enable(model: FSDPModule, config: ZeroPPConfig, groups: ProcessGroups) -> n
         for recorder in (all_gather.recorder, reduce_scatter.recorder, presence.recorder):
             recorder.unit = names[id(unit)] or "the root"
         installed.add(unit, all_gather, reduce_scatter, presence)
+    install_audit(model, _audit(config, installed, groups.topology) if config.audit_every else None)
     if (timeout_s := collective_timeout_s()) is not None:
         set_process_group_timeouts(timeout_s)
     if config.overlap:
@@ -251,6 +253,42 @@ class ShardedComms:
         """The qgZ reduce-scatters (they hold the error-feedback residuals)."""
         inner = [c.shard if isinstance(c, ReplicatedReduceScatter) else c for c in self.reduce_scatters]
         return [c for c in inner if isinstance(c, HierarchicalQuantizedReduceScatter)]
+
+
+    def replace(self, index: int, all_gather: AllGather, reduce_scatter: ReduceScatter) -> None:
+        """Install other comms on the ``index``-th unit (the audit's fallback to exact ones)."""
+        unit = self.units[index]
+        unit.set_custom_all_gather(all_gather)
+        unit.set_custom_reduce_scatter(reduce_scatter)
+        self.all_gathers[index], self.reduce_scatters[index] = all_gather, reduce_scatter
+
+
+def _audit(config: ZeroPPConfig, installed: ShardedComms, topology: Topology) -> Audit:
+    """The audit of every unit with a quantized collective ([Note: the audit] in ``zeropp.audit``)."""
+    audited = []
+    for index, (all_gather, reduce_scatter) in enumerate(zip(installed.all_gathers, installed.reduce_scatters)):
+        inner = reduce_scatter.shard if isinstance(reduce_scatter, ReplicatedReduceScatter) else reduce_scatter
+        comms = [comm for comm in (all_gather, inner) if isinstance(comm, Auditable)]
+        if comms:
+            audited.append(AuditedUnit(all_gather.recorder.unit, comms,
+                                       functools.partial(_fall_back, installed, index, topology)))
+    if not audited:
+        logger.warning("zeropp: %s=%d audits quantized collectives, but no unit has one (qwZ and qgZ are off): "
+                       "nothing will be audited", config.key_of("audit_every"), config.audit_every)
+    return Audit(config.audit_every, config.audit_fallback, audited, Recorder(topology))
+
+
+def _fall_back(installed: ShardedComms, index: int, topology: Topology) -> None:
+    """Give the ``index``-th unit exact collectives (FSDP2's own, counted), hpZ's copy as FSDP2
+    keeps it, and FSDP2's all-reduce across HSDP's replicas, for the rest of the run."""
+    unit, before = installed.units[index], installed.reduce_scatters[index]
+    all_gather, reduce_scatter = CountingAllGather(topology), CountingReduceScatter(topology)
+    all_gather.recorder.unit = reduce_scatter.recorder.unit = before.recorder.unit
+    reduce_scatter.may_finish_late, reduce_scatter.after_reduce = before.may_finish_late, before.after_reduce
+    keep_secondary_as_codes(unit, None)
+    if isinstance(before, ReplicatedReduceScatter):
+        set_replicas_reduced_by_comm(unit, False)
+    installed.replace(index, all_gather, reduce_scatter)
 
 
 _SHARDED: weakref.WeakKeyDictionary[nn.Module, ShardedComms] = weakref.WeakKeyDictionary()

@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor
 
 from zeropp import checkpoint
 from zeropp._fsdp import set_process_group_timeouts
+from zeropp.audit import ReportCursor, audit_log_line
 from zeropp.comms import collective_timeout_s, global_grad_norm_and_overflow
 from zeropp.config import DeepSpeedConfig, parse_deepspeed
 from zeropp.engine.deepspeed_api import DeepSpeedInterface
@@ -101,6 +102,7 @@ class ZeroPPEngine(DeepSpeedInterface):
         self._loss_sum = torch.zeros((), dtype=torch.float32, device=self._device)
         self._timings = {"forward": 0.0, "backward": 0.0, "step": 0.0}
         self._ledger = comm_ledger()
+        self._audit = ReportCursor(module)
 
     # -- the training loop ------------------------------------------------------------------
 
@@ -222,6 +224,8 @@ class ZeroPPEngine(DeepSpeedInterface):
         logger.info("zeropp: step=%d skipped=%d lr=%s loss(rank 0)=%.5g%s%s", self.global_steps,
                     self.skipped_steps, [f"{lr:.3e}" for lr in self.get_lr()], self._loss_sum.item(),
                     scale, norm)
+        for row in self._audit.new_rows():  # [Note: the audit]: ZeroPPConfig.audit_every
+            logger.info(audit_log_line(row))
         if self.config.training.wall_clock_breakdown:
             logger.info("zeropp: time (s, since start) %s",
                         " ".join(f"{name}={seconds:.3f}" for name, seconds in self._timings.items()))

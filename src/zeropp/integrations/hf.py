@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from zeropp._fsdp import mark_prepared_for_accelerate
+from zeropp.audit import ReportCursor, audit_metrics
 from zeropp.config import ZeroPPConfig
 from zeropp.engine.lr_schedules import build_scheduler
 from zeropp.integrations import hf_checkpoint
@@ -146,6 +147,7 @@ class ZeroPPTrainer(Trainer):
         self._zeropp_settings = request.resolve(args)
         self.zeropp_config = self._zeropp_settings.zeropp
         prepare_model(model, self.zeropp_config, units=request.units)
+        self._zeropp_audit = ReportCursor(model)
         super().__init__(model, args, *more, **kwargs)
         if self._zeropp_settings.optimizer is not None and self.optimizer is not None:
             raise ValueError(f"the DeepSpeed config has an optimizer section ({self._zeropp_settings.optimizer.type}) "
@@ -175,6 +177,12 @@ class ZeroPPTrainer(Trainer):
         self.lr_scheduler = build_scheduler(config, self.optimizer if optimizer is None else optimizer)
         self._created_lr_scheduler = True  # Trainer's own flag: a later train() builds the schedule again
         return self.lr_scheduler
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """Trainer's ``log``, with the audit's new rows as metrics (``zeropp/audit/<technique>/...``,
+        ``zeropp.audit.audit_metrics``) when ``audit_every`` is on: they reach every logger
+        Trainer reports to, and ``state.log_history``."""
+        super().log({**logs, **audit_metrics(self._zeropp_audit.new_rows())}, *args, **kwargs)
 
     # Saving and resuming: every rank takes part (see [Note: Trainer's saves on a sharded model]).
 

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 import zeropp
@@ -45,7 +46,7 @@ from zeropp.tools.cluster.launch import launch_local
 from zeropp.tools.data.corpus import VALIDATION_FRACTION_PERCENT, _step_seed, shakespeare_text
 from zeropp.tools.jobs import add_config_flags, config_flags
 from zeropp.tools.modes import MODES as SHARDING_MODES
-from zeropp.tools.modes import check_modes, parse_modes
+from zeropp.tools.modes import check_modes, parse_modes, zeropp_modes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +84,14 @@ FINETUNE_MODES: dict[str, FinetuneMode] = {
     "lora_qnw2_asym32_embed32": FinetuneMode("qnw2_asym32", lora=True, baseline="lora_zero3",
                                              options={"unquantized_parameters": ("*embed_tokens*",)}),
 }
-"""Fine-tuning runs by name: a sharding mode, with or without LoRA (``lora_<mode>``)."""
 DEFAULT_MODES = tuple(FINETUNE_MODES)
+"""What ``zeropp finetune`` runs by default: full fine-tuning under ZeRO-3 and all three, and LoRA."""
+FINETUNE_MODES.update({name: FinetuneMode(name, lora=False, baseline="zero3") for name in zeropp_modes()
+                       if name not in FINETUNE_MODES and not SHARDING_MODES[name].initial_weight_noise})
+"""Fine-tuning runs by name: a sharding mode, with or without LoRA (``lora_<mode>``); every
+mode ``zeropp.shard`` trains in a plain loop is a full fine-tuning mode of the same name (the
+weight-perturbation control excepted: on a pretrained model its perturbation is a cost of its
+own, and ``zero3_order`` measures drift instead)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -113,6 +120,11 @@ class FinetuneConfig:
     eval_batches: int = 4
     seed: int = 0
     """Adapter init and data order: every mode sees the same."""
+    eval_full_precision: int = 1
+    """1: each validation loss is also measured on the full-precision weights (``val_loss_full``:
+    every parameter's shards gathered exactly into an unsharded copy of the model, the weights
+    ``save_model`` writes and users deploy), beside the loss through the mode's own gathers
+    (``val_loss``, which qwZ's INT8 codes move). 0: through the gathers only."""
 
 
 class LoRALinear(nn.Module):
@@ -171,8 +183,22 @@ def train(config: FinetuneConfig, data_dir: Path, run_dir: Path) -> list[dict]:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, config.steps, eta_min=lr / 10)
     local = slice(rank * config.batch_size // world_size, (rank + 1) * config.batch_size // world_size)
-    evaluate = functools.partial(_evaluate, model, tokens["val"], config, local, topology)
-    records = [{"step": 0, "val_loss": evaluate(), "num_trainable": num_trainable}]
+    evaluate_gathered = functools.partial(_evaluate, model, tokens["val"], config, local, topology)
+    unsharded = None
+    if config.eval_full_precision:
+        unsharded = _load_model(data_dir / "smollm2.pt").eval()
+        if mode.lora:
+            with torch.random.fork_rng():  # the adapters' init is overwritten; the seed's draws stay the run's
+                add_lora(unsharded, config.lora_rank, config.lora_alpha)
+
+    def evaluate() -> dict[str, float]:
+        losses = {"val_loss": evaluate_gathered()}
+        if unsharded is not None:
+            _copy_full_weights(model, unsharded)
+            losses["val_loss_full"] = _evaluate(unsharded, tokens["val"], config, local, topology)
+        return losses
+
+    records = [{"step": 0, **evaluate(), "num_trainable": num_trainable}]
     started = time.perf_counter()
     for step in tqdm(range(config.steps), disable=rank != 0, desc=f"{config.mode} fine-tuning", unit="step"):
         x, y = token_batch(tokens["train"], step, config.batch_size, config.context_length, config.seed)
@@ -184,7 +210,7 @@ def train(config: FinetuneConfig, data_dir: Path, run_dir: Path) -> list[dict]:
         record = {"step": step + 1, "loss": all_reduce_mean(loss, topology),
                   "elapsed_s": time.perf_counter() - started}
         if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
-            record["val_loss"] = evaluate()
+            record.update(evaluate())
         records.append(record)
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -199,6 +225,17 @@ def _load_model(path: Path) -> nn.Module:
 
     checkpoint = torch.load(path, mmap=True)
     return llama_from_state(LlamaConfig(**checkpoint["config"]), checkpoint["state"]).train()
+
+
+@torch.no_grad()
+def _copy_full_weights(sharded: nn.Module, unsharded: nn.Module) -> None:
+    """Every parameter of ``sharded`` gathered exactly (its full-precision shards, not a
+    quantized gather) into the same-named parameter of ``unsharded``, one at a time
+    (collective: every rank gathers every parameter)."""
+    full = dict(unsharded.named_parameters())
+    for name, parameter in sharded.named_parameters():
+        value = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
+        full[name].copy_(value)
 
 
 def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
