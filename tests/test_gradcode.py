@@ -42,6 +42,18 @@ def test_rotation_is_signed_hadamard_and_orthogonal(block_size: int) -> None:
                                atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rotation_is_the_matrix_product_and_each_rows_alone(inverse: bool) -> None:
+    """``rotate`` is ``x @ R`` (or ``x @ R.T``) up to fp32 rounding, and a row's result is the same
+    bits alone as among others (a slice of a chunk codes as the whole chunk does)."""
+    x = torch.randn(37, BLOCK, generator=torch.Generator().manual_seed(4))
+    rotation = gradcode._rotation(BLOCK, "cpu").double()
+    rotated = gradcode.rotate(x, None, inverse)
+    torch.testing.assert_close(rotated.double(), x.double() @ (rotation.t() if inverse else rotation),
+                               atol=1e-6, rtol=0)
+    assert all(torch.equal(gradcode.rotate(x[i:i + 1], None, inverse), rotated[i:i + 1]) for i in range(37))
+
+
 def _segments(code: GradientCode, bits: int = 4) -> list[Segment]:
     return [Segment(s.numel, bits, grouped_scales=code.grouped_scales) for s in SEGMENTS]
 

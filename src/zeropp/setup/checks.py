@@ -1,0 +1,136 @@
+"""The check step of the set-up ([Note: plan, check, install] in ``zeropp.setup.plan``): every
+rank's plan compared with the others' in one exchange, the topology held against the process
+group and the hosts, then the plan's refusals raised, on every rank alike, before any group is
+built. See [Note: ranks that disagree].
+
+[Note: ranks that disagree]
+zeropp's collectives assume every rank built the same thing: the same ``ZeroPPConfig``, the same
+topology, the same parameters in the same units. A config read from a per-host file, an
+environment variable set on one node, or a model built with another width on one rank breaks
+that, and the first collective that differs aborts inside the backend ("collective mismatch",
+a SIGABRT under gloo; a hang or mixed data under NCCL), naming nothing a user can act on. So
+``zeropp.shard``, ``zeropp.enable`` (and ``zeropp.initialize`` through them) first compare the
+views: each rank sends its host name (the topology check needs it) and a digest of its view in
+one small all-gather; only if the digests differ do the ranks exchange the views themselves and
+every rank raises the same ``ValueError``, naming the first entry that differs, its value on each
+side and the ranks holding each. A view is an ordered list of (entry, value) pairs.
+The same exchange carries what each rank alone can see: the shard group of each unit on a 2-D
+mesh (a rank sees its own group only), from which every rank learns every shard group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import socket
+from collections.abc import Sequence
+
+import torch.distributed as dist
+from torch import nn
+
+from zeropp.config import ZeroPPConfig
+from zeropp.fsdp.access import fsdp_units, unit_layout
+from zeropp.fsdp.comms import all_gather_strings
+from zeropp.setup.plan import Plan
+from zeropp.setup.topology import Topology, check_hosts, check_world_size
+
+View = list[tuple[str, str]]
+"""One rank's set-up as ordered (entry, value) pairs."""
+
+
+def require_process_group(caller: str) -> None:
+    if not dist.is_initialized():
+        raise RuntimeError(f"{caller} needs torch.distributed initialised: call "
+                           "dist.init_process_group (torchrun sets the environment for it) first")
+
+
+def check(plan: Plan, view: View) -> Plan:
+    """The plan agreed by every rank ([Note: ranks that disagree]) and checked: the topology fits
+    the process group and the hosts, and nothing is refused. Returns it with every unit's shard
+    groups (collective over the world: one small all-gather)."""
+    local = [list(unit.shard_ranks) if unit.layout.shard_group_size != plan.topology.world_size else None
+             for unit in plan.units]
+    hostnames, locals_ = agree([*view, *plan_view(plan)], json.dumps(local))
+    check_world_size(plan.topology)
+    check_hosts(plan.topology, hostnames)
+    plan.check()
+    every = [json.loads(entry) for entry in locals_]
+    layouts = [None if mine is None else tuple(dict.fromkeys(tuple(ranks[i]) for ranks in every))
+               for i, mine in enumerate(local)]
+    return plan.with_shard_layouts(layouts)
+
+
+def plan_view(plan: Plan) -> View:
+    """What the plan does to each unit, as every rank must see it alike."""
+    return [(f"plan of unit {unit.name}", f"gathers {unit.gathers}, secondary copy {unit.secondary}, gradients "
+             f"{unit.gradients}, replicas {unit.replicas}, quantized {unit.quantized}, spared {unit.spared}")
+            for unit in plan.units]
+
+
+def config_view(config: ZeroPPConfig, topology: Topology) -> View:
+    """The config field by field, and the topology."""
+    fields = [(f"ZeroPPConfig.{f.name}", repr(getattr(config, f.name))) for f in dataclasses.fields(config)]
+    return [*fields, ("topology", f"{topology.num_nodes} nodes x {topology.ranks_per_node} ranks per node")]
+
+
+def parameters_view(model: nn.Module) -> View:
+    """Each parameter of a model not sharded yet: shape, dtype, trainable."""
+    return [(f"parameter {name}", f"shape {tuple(p.shape)}, {p.dtype}, requires_grad={p.requires_grad}")
+            for name, p in model.named_parameters()]
+
+
+def units_view(model: nn.Module) -> View:
+    """Each unit of a sharded model and its parameters (unsharded shape, dtype, trainable)."""
+    names = {id(module): name or "the root" for name, module in model.named_modules()}
+    view = []
+    for unit in fsdp_units(model):
+        layout = unit_layout(unit)
+        view.append((f"unit {names[id(unit)]}", f"{len(layout.names)} parameters, sharded over "
+                     f"{layout.shard_group_size} ranks"))
+        view.extend((f"unit {names[id(unit)]} parameter {name}",
+                     f"shape {tuple(shape)}, {dtype}, requires_grad={trainable}")
+                    for name, shape, dtype, trainable in zip(layout.names, layout.shapes, layout.gather_dtypes,
+                                                            layout.trainable))
+    return view
+
+
+def agree(view: View, local: str = "") -> tuple[list[str], list[str]]:
+    """Check that every rank holds the same ``view`` (one all-gather of a digest, its host name
+    and ``local``: what this rank alone holds); return every rank's host name and ``local``, in
+    rank order. Raises the same ``ValueError`` on every rank otherwise."""
+    text = json.dumps(view)
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    gathered = [entry.split("\n", 2) for entry in all_gather_strings(f"{digest}\n{socket.gethostname()}\n{local}")]
+    if len({digest for digest, _, _ in gathered}) > 1:
+        views = [[tuple(pair) for pair in json.loads(other)] for other in all_gather_strings(text)]
+        raise ValueError(describe_disagreement(views))
+    return [host for _, host, _ in gathered], [mine for _, _, mine in gathered]
+
+
+def describe_disagreement(views: Sequence[View]) -> str:
+    """The first entry on which the ranks' views differ, each value and the ranks holding it."""
+    as_dicts = [dict(view) for view in views]
+    keys = list(dict.fromkeys(key for view in views for key, _ in view))
+    for key in keys:
+        holders: dict[str, list[int]] = {}
+        for rank, entries in enumerate(as_dicts):
+            holders.setdefault(entries.get(key, "(absent)"), []).append(rank)
+        if len(holders) > 1:
+            sides = "; ".join(f"{value} on {_ranks(ranks)}" for value, ranks in holders.items())
+            return (f"zeropp: the ranks disagree on {key}: {sides}. Every rank must shard the same model with "
+                    "the same ZeroPPConfig and topology (check per-host config files and environment variables "
+                    "such as ZEROPP_RANKS_PER_NODE and LOCAL_WORLD_SIZE)")
+    return "zeropp: the ranks' views differ, but no entry does (a digest collision)"
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 3`` or ``ranks 0-2, 5``: runs of consecutive ranks written as ranges."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    text = ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)) for run in runs)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
