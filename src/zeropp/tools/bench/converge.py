@@ -34,12 +34,12 @@ from tqdm import tqdm
 from zeropp.tools.bench.paired import CONTROL, mean, std, verdict
 from zeropp.tools.cluster.launch import launch_local
 from zeropp.tools.data import CORPORA, CharCorpus
-from zeropp.tools.demo import DemoConfig, build_optimizer
+from zeropp.tools.demo import DemoConfig, build_optimizer, build_schedule
 from zeropp.tools.jobs import config_flags
 from zeropp.tools.models import GPT, GPTConfig
 from zeropp.tools.modes import BASELINE, MODES, check_modes, parse_modes, zeropp_modes
 
-DEFAULT_MODES = ("zero3", "qwz", "hpz", "qgz", "qgz_ef", "all", "all_ef", "qgz_int8_intra", "all_int8_intra")
+DEFAULT_MODES = ("zero3", "qwz", "hpz", "qgz", "qgz_ef", "all", "all_ef", "qgz_int4", "all_int4")
 """ZeRO-3 first: the others are compared with it. The last two are the qgZ alternative
 ``grad_bits_intra=8``: INT8 on the fast intra-node hop, INT4 on the cross-node hop only. Any
 mode of ``zeropp.tools.modes.zeropp_modes()`` can be asked for (``qgz_int8``, ``qgz_block32``, ...)."""
@@ -73,9 +73,13 @@ def run(out_dir: str | Path = "benchmarks/results", *, steps: int = STEPS,
     results = _resumable_results(out_path, settings, num_nodes, ranks_per_node)
     names = [*modes, *([REFERENCE] if reference else [])]
     for i, name in enumerate(names):
-        if name in results["modes"]:
+        done = results["modes"].get(name)
+        if done is not None and done["zeropp_config"] == _mode_config(name, ranks_per_node):
             print(f"[{i + 1}/{len(names)}] {name}: already done (in {out_path}), skipped", flush=True)
             continue
+        if done is not None:  # a mode whose settings changed since (a new default): its old run is not its run
+            print(f"[{i + 1}/{len(names)}] {name}: {out_path} holds a run of other settings; training again",
+                  flush=True)
         print(f"[{i + 1}/{len(names)}] {name}: training {steps} steps", flush=True)
         records = (train_reference(settings) if name == REFERENCE else
                    _train_mode(dataclasses.replace(settings, mode=name), Path(runs_dir) / name,
@@ -199,7 +203,7 @@ def train_reference(config: DemoConfig) -> list[dict]:
                           num_layers=config.num_layers, num_heads=config.num_heads,
                           embed_dim=config.embed_dim))
     optimizer = build_optimizer(model, config)
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, config.steps, eta_min=config.lr / 10)
+    schedule = build_schedule(optimizer, config)
     records, started = [], time.perf_counter()
     for step in tqdm(range(config.steps), desc=f"{REFERENCE} training", unit="step"):
         x, y = corpus.batch_at("train", step, config.batch_size, config.context_length, config.seed)
@@ -223,13 +227,18 @@ def _evaluate(model: GPT, corpus: CharCorpus, config: DemoConfig) -> float:
     return sum(losses) / len(losses)
 
 
+def _mode_config(name: str, ranks_per_node: int) -> dict[str, Any] | None:
+    """The mode's ``ZeroPPConfig`` as converge.json stores it (None for the single-process reference)."""
+    return _config_dict(MODES[name].config(ranks_per_node)) if name in MODES else None
+
+
 def summarize(name: str, records: list[dict], ranks_per_node: int) -> dict[str, Any]:
     """One mode's entry in converge.json: curves, final losses, time per step."""
     val = [[r["step"], r["val_loss"]] for r in records if "val_loss" in r]
     train = [r["loss"] for r in records]
     window = train[-TRAIN_LOSS_WINDOW:]
     return {
-        "zeropp_config": _config_dict(MODES[name].config(ranks_per_node)) if name in MODES else None,
+        "zeropp_config": _mode_config(name, ranks_per_node),
         "train_loss": train,
         "val_loss": val,
         "final_val_loss": val[-1][1],
