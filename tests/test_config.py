@@ -116,7 +116,7 @@ def test_zeropp_defaults_are_plain_fsdp2() -> None:
     config = ZeroPPConfig()
     assert not (config.quantized_weights or config.quantized_gradients or config.error_feedback)
     assert config.hpz_partition_size == 1 and config.block_size == 256
-    assert (config.weight_bits, config.grad_bits_intra, config.grad_bits_inter) == (8, 4, 4)
+    assert (config.weight_bits, config.grad_bits_intra, config.grad_bits_inter) == (8, 8, 4)
     assert config.param_dtype is None and config.reduce_dtype is None
 
 

@@ -1,4 +1,4 @@
-"""The accessors of FSDP2's private state (``zeropp._fsdp``), the comms handle ``shard`` records,
+"""The accessors of FSDP2's private state (``zeropp.fsdp.access``), the comms handle ``shard`` records,
 the one mode registry, and the command line's lazy imports."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import zeropp
 from distributed import run_distributed
-from zeropp._fsdp import (
+from zeropp.fsdp.access import (
     at_backward_end,
     backward_id,
     fsdp_units,
@@ -118,8 +118,8 @@ class MixedBlock(nn.Module):
 def _released_secondary() -> dict:
     """hpZ's secondary shards over a forward and its backward with qwZ (released after forward,
     [Note: hpZ's copy as qwZ's codes]), for a unit of one dtype and one gathered as bytes."""
-    from zeropp._fsdp import secondary_bytes_held, secondary_released
-    from zeropp.hpz import held_secondary_copy_bytes, secondary_copy_bytes
+    from zeropp.fsdp.access import secondary_bytes_held, secondary_released
+    from zeropp.techniques.hpz import held_secondary_copy_bytes, secondary_copy_bytes
 
     torch.manual_seed(0)
     result = {}
@@ -186,9 +186,9 @@ def test_gradients_read_only_after_backward_and_backward_callbacks(fsdp_state: d
 
 
 def _sharded_comms() -> dict:
-    from zeropp.comms import CountingAllGather, CountingReduceScatter
-    from zeropp.qgz import HierarchicalQuantizedReduceScatter
-    from zeropp.qwz import QuantizedAllGather
+    from zeropp.fsdp.comms import CountingAllGather, CountingReduceScatter
+    from zeropp.techniques.qgz import HierarchicalQuantizedReduceScatter
+    from zeropp.techniques.qwz import QuantizedAllGather
 
     model = nn.Sequential(nn.Sequential(*(nn.Linear(8, 8) for _ in range(3))))  # 3 units and the root
     zeropp.shard(model, zeropp.ZeroPPConfig(quantized_weights=True, quantized_gradients=True))
@@ -266,8 +266,8 @@ def test_every_mode_has_one_name_and_a_config() -> None:
     assert MODES["all"].config(4) == zeropp.ZeroPPConfig(quantized_weights=True, hpz_partition_size=4,
                                                          quantized_gradients=True)
     assert MODES["hpz"].config(1).hpz_partition_size == 1
-    assert MODES["qgz_int8_intra"].config(2, block_size=64) == zeropp.ZeroPPConfig(
-        quantized_gradients=True, grad_bits_intra=8, grad_bits_inter=4, block_size=64)
+    assert MODES["qgz_int4"].config(2, block_size=64) == zeropp.ZeroPPConfig(
+        quantized_gradients=True, grad_bits_intra=4, grad_bits_inter=4, block_size=64)
     assert "hsdp" not in zeropp_modes() and "deepspeed" not in zeropp_modes() and "zero3" in zeropp_modes()
     assert "tp_zero3" not in zeropp_modes() and MODES["tp_qwz_qgz"].tensor_parallel == 2
     assert {MODES[name].system for name in ("hsdp", "deepspeed")} == {System.HSDP, System.DEEPSPEED}

@@ -15,14 +15,14 @@ import torch
 from distributed import run_distributed
 from test_plan import _measured_rows, _traffic_job
 from zeropp.config import ZeroPPConfig
-from zeropp.ledger import GroupKind, Op
+from zeropp.fsdp.ledger import GroupKind, Op
+from zeropp.setup.topology import Topology
 from zeropp.tools.bench.worker import WorkerConfig
 from zeropp.tools.models import GPT, GPTConfig
 from zeropp.tools.modes import MODES
 from zeropp.tools.plan import cost, memory, scale, table, traffic
 from zeropp.tools.plan import model as model_shape
 from zeropp.tools.plan.layout import Layout, layout_for
-from zeropp.topology import Topology
 
 BLOCK_SCALE = 4 / 256
 """Bytes of fp32 scale per element in blocks of 256."""
@@ -102,8 +102,8 @@ def test_tensor_parallel_with_two_ranks_of_each_node_in_the_group() -> None:
     assert cost.link_bytes(gather, topology, "nccl") == (3 * 2 * chunk, 2 * 3 * 2 * chunk)
     quantized, *_ = traffic.step_transfers(model, MODES["tp_qwz_qgz"].config(4), topology, PRECISION, TP2)
     assert [(t.kind, t.group_size, t.bytes_per_peer) for t in _rows(quantized, "qgZ")] == [
-        (GroupKind.INTRA, 2, 2 * chunk * (0.5 + BLOCK_SCALE)),  # the rows owed to the node peer's index, one per node
-        (GroupKind.INTER, 2, chunk * (0.5 + BLOCK_SCALE))]
+        (GroupKind.INTRA, 2, 2 * chunk * (1 + BLOCK_SCALE)),  # the rows owed to the node peer's index, one per node,
+        (GroupKind.INTER, 2, chunk * (0.5 + BLOCK_SCALE))]      # in INT8 (the default inside the node), then INT4
 
 
 def test_tensor_parallel_all_reduces_stay_in_the_node_and_join_the_compute() -> None:
@@ -171,7 +171,7 @@ def test_hsdp_with_qwz_and_qgz_stays_inside_the_node() -> None:
         unit, *_ = traffic.step_transfers(SMALL, config, topology, PRECISION, HSDP)
         assert [(t.technique, t.dtype, t.bytes_per_peer) for t in unit if t.op is Op.ALL_GATHER] == gathers
         assert [(t.op, t.kind, t.group_size, t.bytes_per_peer) for t in _rows(unit, "qgZ")] == [
-            (Op.ALL_TO_ALL, GroupKind.INTRA, 2, chunk * (0.5 + BLOCK_SCALE))]
+            (Op.ALL_TO_ALL, GroupKind.INTRA, 2, chunk * (1 + BLOCK_SCALE))]  # INT8, the default inside the node
         assert _rows(unit, "hsdp")[0].kind is GroupKind.INTER
 
 

@@ -222,17 +222,17 @@ def _cross_node(rows: list[dict], **match: str) -> int:
 def test_the_ledger_shows_zeropp_traffic(runs: list[dict]) -> None:
     """The forward gathers are qwZ's INT8, the backward gathers hpZ's, inside the node (none
     crosses it) and sending the INT8 codes its copy is kept as, every gradient exchange qgZ's
-    INT4 (no full-precision reduce-scatter left), beside one byte per parameter saying which
-    ranks had a gradient (zeropp.unused). Cross-node bytes against ZeRO-3's fp32: qwZ sends a
-    byte per element and an fp32 scale per 256, (1 + 4/256) / 4 = 0.2539 of fp32; qgZ sends its
-    inter-node hop only, 1/D of the chunks at half a byte plus 4/256, (0.5 + 4/256) / 2 / 4 =
-    0.0645 of the reduce-scatter's (2 x 2); padding to whole blocks and 4-byte words adds a
-    little."""
+    (INT8 inside the node, INT4 across: no full-precision reduce-scatter left), beside one byte
+    per parameter saying which ranks had a gradient (zeropp.fsdp.unused). Cross-node bytes
+    against ZeRO-3's fp32: qwZ sends a byte per element and an fp32 scale per 256, (1 + 4/256) /
+    4 = 0.2539 of fp32; qgZ sends its inter-node hop only, 1/D of the chunks at half a byte plus
+    4/256, (0.5 + 4/256) / 2 / 4 = 0.0645 of the reduce-scatter's (2 x 2); padding to whole
+    blocks and 4-byte words adds a little."""
     for rank in runs:
         zero3, every = rank["ledgers"]["zero3"], rank["ledgers"]["all"]
         assert {(r["op"], r["phase"], r["kind"], r["dtype"], r["technique"]) for r in every} == {
             ("all_gather", "forward", "world", "int8", "qwZ"), ("all_gather", "backward", "intra", "int8", "hpZ"),
-            ("all_to_all", "backward", "intra", "int4", "qgZ"), ("all_to_all", "backward", "inter", "int4", "qgZ"),
+            ("all_to_all", "backward", "intra", "int8", "qgZ"), ("all_to_all", "backward", "inter", "int4", "qgZ"),
             ("all_reduce", "backward", "world", "uint8", "presence")}
         assert _cross_node(every, technique="hpZ") == 0 < _cross_node(zero3, op="all_gather", phase="backward")
         ratio = _cross_node(every, technique="qwZ") / _cross_node(zero3, op="all_gather", phase="forward")

@@ -114,7 +114,7 @@ class _KeyedConfig:
     def key_of(self, name: str) -> str:
         """What the user called field ``name``: the DeepSpeed key it was read from, or the field
         name for a config built directly. Every error raised from a field's value names it so,
-        here and in the checks that run later (``zeropp.hpz.check_hpz``, ``zeropp.sharding``)."""
+        here and in the checks that run later (``zeropp.techniques.hpz.check_hpz``, ``zeropp.setup.sharding``)."""
         return self._input_keys.get(name, name)
 
 
@@ -184,7 +184,7 @@ class ZeroPPConfig(_KeyedConfig):
     """HSDP (units sharded on a (replicate, shard) mesh): the gradients' reduction across the
     replicas, HSDP's cross-node traffic, as a quantized reduce-scatter and all-gather at
     ``grad_bits_inter`` bits instead of FSDP2's all-reduce in the reduce dtype; every replica
-    decodes the same codes, so replicas never drift apart. See zeropp.replicas [Note: the
+    decodes the same codes, so replicas never drift apart. See zeropp.techniques.replicas [Note: the
     replicas' reduction]."""
     block_size: int = 256
     """Consecutive elements sharing one quantization scale; a power of two from 8 to 65536."""
@@ -205,10 +205,12 @@ class ZeroPPConfig(_KeyedConfig):
     low_bit_trainable_weights: bool = False
     """Allow ``weight_bits`` below 4 with ``quantized_weights`` (which quantizes the weights being
     trained, not only frozen ones): an explicit opt-in, since 2 bits leave three levels per block."""
-    grad_bits_intra: int = 4
-    """Bits per gradient element on qgZ's intra-node hop: 2, 4 or 8. 4 is DeepSpeed's and converged
-    the GPT within 1% of ZeRO-3 (docs/results.md); 8 halves this hop's error on the fast link and leaves
-    the cross-node hop (the bytes qgZ exists to cut) at INT4."""
+    grad_bits_intra: int = 8
+    """Bits per gradient element on qgZ's intra-node hop: 2, 4 or 8. 8 (the default) cuts this hop's
+    error 16-fold on the fast link and leaves the cross-node hop, the bytes qgZ exists to cut, at
+    ``grad_bits_inter``: the cross-node bytes are DeepSpeed's. Fine-tuning SmolLM2-135M, it took the
+    cost of all three techniques from +0.39% to +0.17% of the held-out loss (docs/results.md,
+    "Accuracy on a pretrained model"). 4 is DeepSpeed's code (``zero_quantized_gradients``)."""
     grad_bits_inter: int = 4
     """Bits per gradient element on qgZ's inter-node hop: 2, 4 or 8."""
     quantize_intra_node_weights: bool = False
@@ -229,7 +231,7 @@ class ZeroPPConfig(_KeyedConfig):
     grad_full_precision_parameters: tuple[str, ...] = ()
     """qgZ: fnmatch patterns of parameter names (as ``model.named_parameters()`` spells them) whose
     gradients travel unquantized, in the reduce dtype, inside the same all-to-all payloads, e.g.
-    ``("*ln*", "*.bias")``: their reduction is exact up to fp32 summation. See zeropp.qgz
+    ``("*ln*", "*.bias")``: their reduction is exact up to fp32 summation. See zeropp.techniques.qgz
     [Note: full-precision gradients]."""
     grad_full_precision_below: int = 0
     """qgZ: parameters with fewer elements than this (unsharded) send their gradients unquantized,
@@ -247,7 +249,7 @@ class ZeroPPConfig(_KeyedConfig):
     decoded rows are a slice's, not the unit's; the gradients are bit for bit the same. None: one
     slice. The default keeps qgZ's peak within 1% of ZeRO-3's at Llama-3-8B's shapes on 64 and 384
     ranks (docs/results.md, "qgZ's memory") while each slice's all-to-all still moves megabytes.
-    See zeropp.qgz [Note: qgZ slices]."""
+    See zeropp.techniques.qgz [Note: qgZ slices]."""
     overlap: bool = False
     """Run communication beside compute where FSDP2 has no streams to do it (gloo on CPU): each
     unit gathers the next ones while it computes (FSDP2's explicit prefetching, asynchronous
@@ -267,7 +269,7 @@ class ZeroPPConfig(_KeyedConfig):
     copy stays on the device) and its reduced gradient shard copied back (DeepSpeed's
     ``zero_optimization.offload_param``, with or without ``offload_optimizer``, ``{"device": "cpu"}``);
     "optimizer": the parameter shards stay on the device and an fp32 master of each and the
-    optimizer's state and step live on the host (``zeropp.offload.HostOptimizer``; DeepSpeed's
+    optimizer's state and step live on the host (``zeropp.fsdp.offload.HostOptimizer``; DeepSpeed's
     ``offload_optimizer`` alone, ZeRO-Offload). ``zeropp.initialize`` and ``ZeroPPTrainer`` move
     their optimizer there; a plain loop wraps its own: ``zeropp.offload_optimizer(optimizer)``."""
     offload_pin_memory: bool = True
@@ -278,7 +280,7 @@ class ZeroPPConfig(_KeyedConfig):
     gather and qgZ reduce-scatter beside the exact full-precision collective and records the
     error against the bound its codes allow (``zeropp.audit_report()``; the engine, the HF Trainer
     and Lightning log it); a unit beyond its bound is named in a warning. 0 = off. Its cost, and
-    how to turn it on in each stack: docs/guide.md, "The live audit". See zeropp.audit [Note: the audit]."""
+    how to turn it on in each stack: docs/guide.md, "The live audit". See zeropp.techniques.audit [Note: the audit]."""
     audit_fallback: bool = False
     """With ``audit_every``: a unit whose error exceeds its bound switches to exact collectives
     (FSDP2's own) from the next training forward on, for the rest of the run."""

@@ -51,7 +51,7 @@ class Mode:
     FSDP over the data-parallel sub-mesh across it: torchtitan's 2-D layout. 1: none."""
     decoded_secondary_copy: bool = False
     """hpZ keeps FSDP2's decoded secondary copy instead of qwZ's codes
-    (``zeropp.hpz.keep_decoded_secondary_copies``): the same training bit for bit, to compare the
+    (``zeropp.techniques.hpz.keep_decoded_secondary_copies``): the same training bit for bit, to compare the
     two copies' step time and memory in one run."""
 
     def config(self, ranks_per_node: int, **overrides: Any) -> ZeroPPConfig:
@@ -130,13 +130,14 @@ MODES: dict[str, Mode] = {mode.name: mode for mode in (
     Mode(name="qnw2_block32", summary="INT2 all-gather of frozen weights only, 32-element blocks",
          options={"quantized_nontrainable_weights": True, "weight_bits": 2, "block_size": 32}),
     Mode(name="hpz", summary="hpZ: secondary weight partition inside the node", hpz=True),
-    Mode(name="qgz", summary="qgZ: INT4 two-hop gradient all-to-all", options={"quantized_gradients": True}),
+    Mode(name="qgz", summary="qgZ: two-hop gradient all-to-all, INT8 inside the node, INT4 across",
+         options={"quantized_gradients": True}),
     Mode(name="qgz_ef", summary="qgZ with error feedback",
          options={"quantized_gradients": True, "error_feedback": True}),
     Mode(name="qgz_int8", summary="qgZ, INT8 on both hops",
          options={"quantized_gradients": True, "grad_bits_intra": 8, "grad_bits_inter": 8}),
-    Mode(name="qgz_int8_intra", summary="qgZ, INT8 intra-node hop, INT4 cross-node",
-         options={"quantized_gradients": True, "grad_bits_intra": 8}),
+    Mode(name="qgz_int4", summary="qgZ with DeepSpeed's code: INT4 on both hops",
+         options={"quantized_gradients": True, "grad_bits_intra": 4}),
     Mode(name="qgz_sr", summary="qgZ with stochastic rounding",
          options={"quantized_gradients": True, "grad_rounding": "stochastic"}),
     Mode(name="qgz_rotnorm", summary="qgZ, INT8 intra-node, INT4 cross-node with rotation and normal levels",
@@ -152,11 +153,13 @@ MODES: dict[str, Mode] = {mode.name: mode for mode in (
          options={**_ALL, **_SPARE_SMALL}, hpz=True),
     Mode(name="all_ef", summary="all three, qgZ with error feedback", options={**_ALL, "error_feedback": True},
          hpz=True),
-    Mode(name="all_int8_intra", summary="all three, qgZ INT8 intra-node hop",
-         options={**_ALL, "grad_bits_intra": 8}, hpz=True),
+    Mode(name="all_int4", summary="all three, qgZ with DeepSpeed's code: INT4 on both hops (the default until "
+         "INT8 inside the node)", options={**_ALL, "grad_bits_intra": 4}, hpz=True),
     Mode(name="all_rotnorm", summary="all three, qgZ as in qgz_rotnorm", options={**_ALL, **_ROTNORM}, hpz=True),
     Mode(name="all_scale8", summary="all three, qgZ as in qgz_scale8", options={**_ALL, **_SCALE8}, hpz=True),
     Mode(name="all_w6", summary="all three, qwZ with 6-bit weights", options={**_ALL, "weight_bits": 6}, hpz=True),
+    Mode(name="all_audit", summary="all three, the audit checking one unit every step (audit_every=1)",
+         options={**_ALL, "audit_every": 1}, hpz=True),
     Mode(name="all_decoded_copy", summary="all three, hpZ's copy decoded as FSDP2 keeps it, not as qwZ's codes",
          options=_ALL, hpz=True, decoded_secondary_copy=True),
     Mode(name="zero3_overlap", summary="ZeRO-3, its gathers and reduce-scatters beside compute",
