@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 import zeropp
-from zeropp.comms import Recorder, all_gather, all_gather_strings, reduce_scatter
-from zeropp.topology import build_process_groups
+from zeropp.fsdp.comms import Recorder, all_gather, all_gather_strings, reduce_scatter
+from zeropp.setup.topology import build_process_groups
 
 SIZES_MB = (8, 32)
 CALLS = 5

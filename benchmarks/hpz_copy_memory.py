@@ -6,7 +6,7 @@
 Trains the benchmark GPT (``zeropp bench step``'s 25M model, 8 x 512) on 2 nodes x 2 ranks in
 one of the bench's modes (``zeropp.tools.modes``; one mode a run, so that no other mode's tensors
 are alive in its step): ZeRO-3, hpZ alone, all three with the secondary
-copy decoded (FSDP2's, the path before codes: ``zeropp.hpz.keep_decoded_secondary_copies``),
+copy decoded (FSDP2's, the path before codes: ``zeropp.techniques.hpz.keep_decoded_secondary_copies``),
 all three with the copy as codes (the default), and DeepSpeed ZeRO-3 at its defaults, resharding
 as FSDP2 does, and resharding with its hpZ (``zero_hpz_partition_size`` = 2). Each takes one
 AdamW step (which creates the optimizer state), then one step tracked by PyTorch's memory tracker
@@ -35,8 +35,8 @@ from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import zeropp
-from zeropp.comms import all_gather_strings
-from zeropp.hpz import held_secondary_copy_bytes, keep_decoded_secondary_copies, secondary_copy_bytes
+from zeropp.fsdp.comms import all_gather_strings
+from zeropp.techniques.hpz import held_secondary_copy_bytes, keep_decoded_secondary_copies, secondary_copy_bytes
 from zeropp.tools.bench.worker import WorkerConfig, deepspeed_config, deepspeed_secondary_bytes
 from zeropp.tools.models import GPT, GPTConfig
 from zeropp.tools.modes import MODES, System

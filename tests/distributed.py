@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-PRELOADED = ["torch", "torch.distributed", "torch.distributed.fsdp", "zeropp", "zeropp.qwz", "zeropp.hpz",
-             "zeropp.qgz", "zeropp.unused", "zeropp.engine"]
+PRELOADED = ["torch", "torch.distributed", "torch.distributed.fsdp", "zeropp", "zeropp.techniques.qwz",
+             "zeropp.techniques.hpz", "zeropp.techniques.qgz", "zeropp.fsdp.unused", "zeropp.engine"]
 """Imported once by the fork server every rank is forked from: a spawned rank would import torch
 again (seconds of CPU each, four ranks a run, on two cores)."""
 

@@ -94,7 +94,7 @@ def train_on_corpus(config, num_steps: int, rank: int, world_size: int, batch_si
     """Shard a small GPT with ``config`` and train it on Shakespeare (same seed and data order
     for every config), returning every step's global loss and the ledger's summary."""
     import zeropp
-    from zeropp.comms import all_reduce_mean
+    from zeropp.fsdp.comms import all_reduce_mean
     from zeropp.tools.data import CharCorpus
 
     corpus = CharCorpus.shakespeare()

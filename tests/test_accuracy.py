@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from zeropp.codes.quant import dequantize, quantize
-from zeropp.qgz import full_precision_gradients
+from zeropp.techniques.qgz import full_precision_gradients
 from zeropp.tools.bench import accuracy, paired
 from zeropp.tools.demo import perturb_initial_weights
 from zeropp.tools.models import GPT, GPTConfig

@@ -1,5 +1,5 @@
 """Ranks that disagree on the config, the topology or the model get one clear error on every rank,
-before any collective can mismatch (zeropp.agreement)."""
+before any collective can mismatch (zeropp.setup.checks)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch.distributed.fsdp import fully_shard
 
 import zeropp
 from distributed import run_distributed
-from zeropp.agreement import describe_disagreement
+from zeropp.setup.checks import describe_disagreement
 
 TWO_BY_TWO = {"ZEROPP_RANKS_PER_NODE": "2"}
 

@@ -18,8 +18,8 @@ from zeropp.codes.bounds import block_constant, block_norms, coding_bound
 from zeropp.codes.codec import ChunkCodec, segments_for
 from zeropp.codes.gradcode import GradientCode
 from zeropp.codes.quant import packed_numel
-from zeropp.qwz import QuantizedAllGather
-from zeropp.sharding import sharded_comms
+from zeropp.setup.sharding import sharded_comms
+from zeropp.techniques.qwz import QuantizedAllGather
 
 BLOCK = 64
 

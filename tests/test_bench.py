@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from zeropp.ledger import CommLedger, GroupInfo, Op
+from zeropp.fsdp.ledger import CommLedger, GroupInfo, Op
+from zeropp.setup.topology import Topology
 from zeropp.tools.bench import comm
 from zeropp.tools.bench.worker import WorkerConfig, build_parser, run
 from zeropp.tools.cluster import check_support
 from zeropp.tools.cluster.netns import list_namespaces
-from zeropp.topology import Topology
 
 TINY = WorkerConfig(modes=("zero3", "all"), warmup_steps=0, steps=1, batch_size=8, context_length=16,
                     num_layers=1, embed_dim=64, num_heads=2)

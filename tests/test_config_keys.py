@@ -14,8 +14,8 @@ from torch import nn
 import zeropp
 from distributed import run_fake_rank
 from zeropp.config import TrainingConfig, ZeroPPConfig, parse_deepspeed
-from zeropp.hpz import check_hpz
-from zeropp.topology import Topology
+from zeropp.setup.topology import Topology
+from zeropp.techniques.hpz import check_hpz
 
 KEYS = {
     "quantized_weights": "zero_optimization.zero_quantized_weights",

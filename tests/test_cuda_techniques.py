@@ -36,7 +36,7 @@ import zeropp
 from distributed import run_distributed
 from models import VOCAB, global_batch, make_model, rows
 from test_unused import NEVER_ROUTED, MoELM, _moe_batch
-from zeropp.hpz import held_secondary_copy_bytes, secondary_copy_bytes
+from zeropp.techniques.hpz import held_secondary_copy_bytes, secondary_copy_bytes
 from zeropp.tools.modes import MODES
 
 TWO_BY_TWO = {"ZEROPP_RANKS_PER_NODE": "2"}

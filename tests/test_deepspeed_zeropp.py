@@ -30,10 +30,10 @@ from torch import nn
 import zeropp
 from distributed import run_distributed
 from models import global_batch, make_model, rows
-from zeropp._fsdp import fsdp_units, unit_layout
 from zeropp.engine import ZeroPPEngine
 from zeropp.engine.deepspeed_api import IMPLEMENTED, NOT_IN_ZEROPP, safetensors_filename
-from zeropp.hpz import held_secondary_copy_bytes, secondary_copy_bytes
+from zeropp.fsdp.access import fsdp_units, unit_layout
+from zeropp.techniques.hpz import held_secondary_copy_bytes, secondary_copy_bytes
 
 H_DIM = 1024
 N_LAYERS = 9

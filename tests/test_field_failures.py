@@ -11,7 +11,7 @@ import zeropp
 from distributed import run_distributed
 from models import global_batch, make_model, reference_copy, rows
 from test_real_models import BLOCK, AdaptedStack, _expected_gather
-from zeropp.hpz import secondary_copy_bytes
+from zeropp.techniques.hpz import secondary_copy_bytes
 from zeropp.tools.modes import MODES
 
 TWO_BY_TWO = {"ZEROPP_RANKS_PER_NODE": "2"}

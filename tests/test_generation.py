@@ -11,8 +11,8 @@ import zeropp
 from distributed import run_distributed
 from models import VOCAB, global_batch, make_model, rows
 from test_real_models import BLOCK, _expected_gather
-from zeropp._fsdp import fsdp_units, post_forward_meshes
-from zeropp.hpz import generation_copy_bytes, held_secondary_copy_bytes
+from zeropp.fsdp.access import fsdp_units, post_forward_meshes
+from zeropp.techniques.hpz import generation_copy_bytes, held_secondary_copy_bytes
 from zeropp.tools.models.gpt import KVCache
 from zeropp.tools.modes import MODES
 

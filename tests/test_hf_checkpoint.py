@@ -80,7 +80,7 @@ def _as_arrays(tensors: dict[str, torch.Tensor]) -> dict:
 
 
 def _resume_worker(rank: int, world_size: int, out_dir: str, modes: list[str]) -> dict:
-    from zeropp._fsdp import fsdp_units, offloads_to_cpu, unit_parameters
+    from zeropp.fsdp.access import fsdp_units, offloads_to_cpu, unit_parameters
     from zeropp.hf import ZeroPPTrainer
     from zeropp.integrations import hf_checkpoint
 

@@ -12,9 +12,9 @@ from torch.utils.checkpoint import checkpoint
 import zeropp
 from distributed import run_distributed, run_fake_rank
 from models import VOCAB, global_batch, make_model, reference_copy, rows
-from zeropp._fsdp import unit_layout
-from zeropp.hpz import check_hpz, secondary_copy_bytes
-from zeropp.topology import Topology
+from zeropp.fsdp.access import unit_layout
+from zeropp.setup.topology import Topology
+from zeropp.techniques.hpz import check_hpz, secondary_copy_bytes
 
 TWO_BY_TWO = {"ZEROPP_RANKS_PER_NODE": "2"}
 
@@ -253,7 +253,7 @@ def _train_codes_or_decoded(rank: int, world_size: int, setting: str, decoded: b
     """Train one setting of [Note: hpZ's copy as qwZ's codes] with the copy as codes (default) or
     as FSDP2's decoded weights; report what the comparison needs."""
     from test_real_models import AdaptedStack
-    from zeropp.hpz import held_secondary_copy_bytes, keep_decoded_secondary_copies
+    from zeropp.techniques.hpz import held_secondary_copy_bytes, keep_decoded_secondary_copies
 
     options = {"block_size": 32}
     units = None

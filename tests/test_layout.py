@@ -50,7 +50,7 @@ def library_modules() -> list[pathlib.Path]:
 def test_the_library_never_imports_the_tools() -> None:
     modules = library_modules()
     walked = {path.relative_to(PACKAGE).as_posix() for path in modules}
-    assert {"__init__.py", "sharding.py", "codes/codec.py", "engine/__init__.py", "checkpoint/export.py",
+    assert {"__init__.py", "setup/sharding.py", "codes/codec.py", "engine/__init__.py", "checkpoint/export.py",
             "integrations/hf.py", "integrations/torchtitan.py", "hf.py", "torchtitan.py"} <= walked, walked
     offenders = {path.relative_to(PACKAGE).as_posix(): found for path in modules
                  if (found := tools_references(path.read_text(encoding="utf-8"), module_name(path),
@@ -73,3 +73,52 @@ def test_every_way_of_importing_the_tools_is_seen() -> None:
              "from . import codec", "'''See zeropp.tools.bench.comm.'''"]
     for source in clean:
         assert not tools_references(source, "zeropp.codes.codec"), source
+
+
+def imported_modules(source: str, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """The zeropp modules ``source`` imports, at the top or inside a function (``from x import y``
+    counts ``x.y`` where it is a module, else ``x``)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".")[:len(module.split(".")) - node.level + is_package]
+                base = ".".join([*anchor, *([base] if base else [])])
+            found.update(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names)
+    return {name for name in found if name in known and name != module}
+
+
+def test_no_import_cycles() -> None:
+    """No zeropp module imports one that imports it back, directly or through others: the
+    library, the integrations and the tools all import one way."""
+    paths = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    edges = {name: imported_modules(path.read_text(encoding="utf-8"), name, path.name == "__init__.py",
+                                    set(paths)) for name, path in paths.items()}
+    cycles, done = [], set()
+
+    def visit(name: str, trail: list[str]) -> None:
+        if name in trail:
+            cycles.append(trail[trail.index(name):] + [name])
+            return
+        if name in done:
+            return
+        for imported in sorted(edges[name]):
+            visit(imported, [*trail, name])
+        done.add(name)
+
+    for name in sorted(edges):
+        visit(name, [])
+    assert not cycles, f"import cycles: {cycles[:5]}"
+
+
+def test_the_top_level_shows_the_layers() -> None:
+    """At most 18 modules at the package's top level; the techniques, FSDP2's plumbing and the
+    set-up each in a folder of their own."""
+    top = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert len(top) <= 18, top
+    folders = {path.name for path in PACKAGE.iterdir() if path.is_dir() and (path / "__init__.py").exists()}
+    assert {"techniques", "fsdp", "setup"} <= folders
+    assert {path.stem for path in (PACKAGE / "techniques").glob("*.py")} >= {"qwz", "hpz", "qgz", "replicas"}

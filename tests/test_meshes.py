@@ -3,7 +3,7 @@
 Each test builds the same composition twice on the same weights and data, once with FSDP2's own
 collectives and once with zeropp, and compares the full gradients after one backward. ZeRO-3's
 path must give them bit for bit; qgZ within the bound of its hops on the unit's shard group
-([Note: shard groups on nodes] in ``zeropp.topology``), derived from the largest gradient entry
+([Note: shard groups on nodes] in ``zeropp.setup.topology``), derived from the largest gradient entry
 any data-parallel rank contributes (``_bound``), computed here by a single process.
 """
 
@@ -175,7 +175,7 @@ def _replica_shards(rank: int, world_size: int, options: dict) -> dict:
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
     logging.getLogger("zeropp").addHandler(handler)
-    from zeropp._fsdp import fsdp_units, secondary_bytes_held
+    from zeropp.fsdp.access import fsdp_units, secondary_bytes_held
 
     out = _gradients(rank, world_size, "hsdp", 1, options) or {}
     model, dp_rank = _sharded("hsdp", 1, options)

@@ -35,7 +35,7 @@ def test_the_stock_offload_sections_become_fsdp2_cpu_offload() -> None:
     assert unpinned.zeropp.offload == "cpu" and not unpinned.zeropp.offload_pin_memory
     assert parse_deepspeed(_zero(offload_param={"device": "none"})).zeropp.offload == "none"
     alone = parse_deepspeed(_zero(offload_optimizer={"device": "cpu", "pin_memory": True}))
-    assert alone.zeropp.offload == "optimizer"  # ZeRO-Offload: zeropp.offload.HostOptimizer
+    assert alone.zeropp.offload == "optimizer"  # ZeRO-Offload: zeropp.fsdp.offload.HostOptimizer
     assert parse_deepspeed(_zero()).zeropp.offload == "none"
 
 
@@ -77,7 +77,7 @@ def _train(rank: int, world_size: int, mode: str, offload: str, out_dir: str) ->
 
     import zeropp
     from zeropp import checkpoint
-    from zeropp._fsdp import fsdp_units, offloads_to_cpu, unit_parameters
+    from zeropp.fsdp.access import fsdp_units, offloads_to_cpu, unit_parameters
     from zeropp.tools.modes import MODES
 
     config = dataclasses.replace(MODES[mode].config(2), offload=offload)
@@ -147,7 +147,7 @@ def test_enable_refuses_offload_on_units_sharded_without_it() -> None:
 
 def _engine_with_stock_file(rank: int, world_size: int, offload: tuple[str, ...]) -> dict:
     import zeropp
-    from zeropp._fsdp import fsdp_units, offloads_to_cpu, unit_parameters
+    from zeropp.fsdp.access import fsdp_units, offloads_to_cpu, unit_parameters
 
     config = copy.deepcopy(STOCK_DS_FILE)
     for name in STOCK_OFFLOAD:

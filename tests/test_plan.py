@@ -15,13 +15,13 @@ import torch
 
 from distributed import run_distributed
 from zeropp.config import ZeroPPConfig
-from zeropp.ledger import COUNTS
+from zeropp.fsdp.ledger import COUNTS
+from zeropp.setup.topology import Topology
 from zeropp.tools.bench.worker import BENCH_MODES, WorkerConfig, run
 from zeropp.tools.models import GPTConfig
 from zeropp.tools.modes import MODES, System
 from zeropp.tools.plan import calibrate, cost, emulated, memory, recommend, scale, traffic
 from zeropp.tools.plan import model as model_shape
-from zeropp.topology import Topology
 
 TRAFFIC_JOB = WorkerConfig(modes=(*BENCH_MODES, "all_hier", "all_scale8"), warmup_steps=0, steps=1, batch_size=12,
                            context_length=18, num_layers=2, embed_dim=48, num_heads=2)

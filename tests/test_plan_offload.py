@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from zeropp.config import ZeroPPConfig, parse_deepspeed
+from zeropp.setup.topology import Topology
 from zeropp.tools.models import GPTConfig
 from zeropp.tools.modes import MODES
 from zeropp.tools.plan import cost, memory, offload, scale, traffic
 from zeropp.tools.plan import model as model_shape
-from zeropp.topology import Topology
 
 BLOCK = model_shape.UnitShape("Block", ((6, 4), (6,)), (True, True))
 ROOT = model_shape.UnitShape("root", ((10, 4),), (True,), is_block=False)

@@ -15,9 +15,9 @@ from zeropp.codes import gradcode
 from zeropp.codes.codec import Segment
 from zeropp.codes.gradcode import GradientCode
 from zeropp.codes.quant import error_bound, quantize
-from zeropp.qgz import HierarchicalQuantizedReduceScatter, intra_node_send_order
+from zeropp.setup.topology import Topology, build_process_groups
+from zeropp.techniques.qgz import HierarchicalQuantizedReduceScatter, intra_node_send_order
 from zeropp.tools.bench.qgz_error import simulate
-from zeropp.topology import Topology, build_process_groups
 
 BLOCK = 32
 TWO_BY_TWO = {"ZEROPP_RANKS_PER_NODE": "2"}

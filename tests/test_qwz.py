@@ -9,8 +9,8 @@ import zeropp
 from distributed import run_distributed
 from models import train_on_corpus
 from test_codec import _expected
-from zeropp.qwz import QuantizedAllGather
-from zeropp.topology import Topology, build_process_groups
+from zeropp.setup.topology import Topology, build_process_groups
+from zeropp.techniques.qwz import QuantizedAllGather
 
 TWO_BY_TWO = {"ZEROPP_RANKS_PER_NODE": "2"}
 

@@ -332,7 +332,7 @@ def test_engine_clips_with_scalars_counted_once() -> None:
 
 
 def _grouped_worker(rank: int, world_size: int) -> dict:
-    from zeropp.qwz import QuantizedAllGather
+    from zeropp.techniques.qwz import QuantizedAllGather
 
     model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4))
     fully_shard(model[0])

@@ -12,10 +12,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import zeropp
 from distributed import run_distributed
-from zeropp._fsdp import fsdp_units, reduce_op_parts
-from zeropp.comms import CountingReduceScatter
-from zeropp.qgz import HierarchicalQuantizedReduceScatter
-from zeropp.topology import Topology, build_process_groups
+from zeropp.fsdp.access import fsdp_units, reduce_op_parts
+from zeropp.fsdp.comms import CountingReduceScatter
+from zeropp.setup.topology import Topology, build_process_groups
+from zeropp.techniques.qgz import HierarchicalQuantizedReduceScatter
 
 TWO_BY_TWO = {"ZEROPP_RANKS_PER_NODE": "2"}
 WIDTH = 8

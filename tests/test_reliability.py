@@ -55,6 +55,6 @@ def test_surviving_ranks_name_the_collective_and_exit_non_zero(fail: str) -> Non
         print(f"--- rank {rank} ({fail}), exit {code}:\n{err.strip().splitlines()[-1]}")
         assert code == 1, (rank, out, err)
         assert "finished" not in out
-        assert "zeropp.comms.CollectiveError: zeropp: the qwZ all_gather of unit 'blocks.1'" in err, err
+        assert "zeropp.fsdp.comms.CollectiveError: zeropp: the qwZ all_gather of unit 'blocks.1'" in err, err
         assert "a peer rank died or stopped calling collectives" in err
         assert f"bounded by ZEROPP_TIMEOUT_S={TIMEOUT_S} s" in err

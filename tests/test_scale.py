@@ -25,7 +25,7 @@ so ranks past 64 (and past 342 of 384) hold empty shards."""
 
 def _shard(mode: str, layers: int, world_size: int) -> tuple[torch.nn.Module, dict[str, int]]:
     """The narrow Llama sharded in ``mode``; the new_group calls and process groups it took."""
-    from zeropp._fsdp import counting_new_groups, num_process_groups
+    from zeropp.fsdp.access import counting_new_groups, num_process_groups
 
     llama, units = build_meta_llama(MODEL, layers)
     config = MODES[mode].config(8, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

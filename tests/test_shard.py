@@ -12,7 +12,7 @@ from torch import nn
 import zeropp
 from distributed import run_distributed
 from models import global_batch, make_model, reference_copy, rows, train_steps
-from zeropp.sharding import default_units, select_units
+from zeropp.setup.sharding import default_units, select_units
 
 GLOBAL_BATCH = 8
 TWO_BY_TWO = {"ZEROPP_RANKS_PER_NODE": "2"}
@@ -110,7 +110,7 @@ def test_bf16_mixed_precision_tracks_fp32() -> None:
     assert max(r["errors"]) <= 0.05
     assert max(r["errors"]) > 0, "bf16 run identical to fp32: mixed precision was not applied"
     assert r["sharded_dtype"] == torch.float32
-    assert set(r["ledger"]["by_op"]) == {"all_gather", "reduce_scatter", "all_reduce"}  # all_reduce: zeropp.unused
+    assert set(r["ledger"]["by_op"]) == {"all_gather", "reduce_scatter", "all_reduce"}  # all_reduce: zeropp.fsdp.unused
 
 
 class _Stack(nn.Module):
@@ -147,13 +147,13 @@ def test_ledger_matches_closed_form_2x2() -> None:
     """One fp32 step of a known model: every unit (the root's head included) is gathered in
     forward and again in backward, and its gradients reduce-scattered. Per unit each rank owes
     its padded shard (S elements, 4 bytes) to each of W-1 = 3 peers, 2 of them on the other node;
-    beside that, one byte per parameter all-reduced (which ranks had a gradient, zeropp.unused)."""
+    beside that, one byte per parameter all-reduced (which ranks had a gradient, zeropp.fsdp.unused)."""
     results = run_distributed(_one_step_ledger, 4, env=TWO_BY_TWO)
     world_size = 4
     shard_bytes = sum(4 * _padded_shard_numel(s, world_size) for unit in results[0]["shapes"] for s in unit)
     num_units = len(results[0]["shapes"])
     for rank, r in enumerate(results):
-        # gloo's rings (see zeropp.ledger): ranks 1 and 3 send to the other node, 0 and 2 do not;
+        # gloo's rings (see zeropp.fsdp.ledger): ranks 1 and 3 send to the other node, 0 and 2 do not;
         # its reduce-scatter is a ring all-reduce, twice an all-gather's bytes.
         crosses = rank in (1, 3)
         for phase in ("forward", "backward"):
@@ -206,7 +206,7 @@ def _train_with_and_without_overlap(rank: int, world_size: int, options: dict) -
     it must finish on time) of the GPT, sharded with ``options``, once with ``overlap`` and once
     without; how many qwZ gathers were decoded on wait and how many reduce-scatters finished late
     in the overlap run."""
-    from zeropp import comms
+    from zeropp.fsdp import comms
 
     counts = {"decoded_on_wait": 0, "finished_late": 0}
     original_init, original_finish_late = comms.DecodeOnWait.__init__, comms.finish_late
@@ -220,7 +220,7 @@ def _train_with_and_without_overlap(rank: int, world_size: int, options: dict) -
         original_finish_late(finish)
 
     comms.DecodeOnWait.__init__ = counting_init
-    for module in (comms, sys.modules["zeropp.qgz"]):
+    for module in (comms, sys.modules["zeropp.techniques.qgz"]):
         module.finish_late = counting_finish_late
     runs = {}
     for overlap in (False, True):

@@ -70,7 +70,7 @@ def _started_in_forward(ledger: zeropp.CommLedger) -> dict[str, int]:
 
 def _count_gathers_ahead() -> dict[str, int]:
     """Counts of gathers started ahead that a forward took or that were dropped, from now on."""
-    from zeropp.comms import GatherAhead
+    from zeropp.fsdp.comms import GatherAhead
 
     counts = {"taken": 0, "dropped": 0}
     take, drop = getattr(GatherAhead, "_original", (GatherAhead._take_ahead, GatherAhead.drop_ahead))

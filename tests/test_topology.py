@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zeropp.ledger import CommLedger, GroupInfo, GroupKind, Op, group_kind
-from zeropp.topology import Topology, check_hosts
+from zeropp.fsdp.ledger import CommLedger, GroupInfo, GroupKind, Op, group_kind
+from zeropp.setup.topology import Topology, check_hosts
 
 
 def test_from_env_reads_local_world_size_and_override(monkeypatch: pytest.MonkeyPatch) -> None:

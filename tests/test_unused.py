@@ -1,5 +1,5 @@
 """Parameters with a gradient on some ranks only: a top-1 mixture of experts and a two-tower model
-train as one process on the whole batch would, under every technique (zeropp.unused)."""
+train as one process on the whole batch would, under every technique (zeropp.fsdp.unused)."""
 
 from __future__ import annotations
 
@@ -248,7 +248,7 @@ def test_gradients_missing_on_some_ranks_reduce_as_zeros_under_every_technique(k
         for name, result in r.items():
             # error feedback carries a residual for a parameter that had a gradient in an earlier
             # step: where no rank has one now, zeropp gives it none (one process would), while the
-            # masked model applies the residual (zeropp.unused); only the first two losses compare
+            # masked model applies the residual (zeropp.fsdp.unused); only the first two losses compare
             if name == "qgz_ef" and kind == "moe":
                 assert result["early_losses_equal"], name
             else:

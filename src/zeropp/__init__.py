@@ -13,21 +13,22 @@ import importlib
 from typing import Any
 
 _PUBLIC = {
-    "AuditRow": "zeropp.audit",
-    "CommLedger": "zeropp.ledger",
-    "Topology": "zeropp.topology",
+    "AuditRow": "zeropp.techniques.audit",
+    "CommLedger": "zeropp.fsdp.ledger",
+    "Topology": "zeropp.setup.topology",
     "ZeroPPConfig": "zeropp.config",
     "ZeroPPEngine": "zeropp.engine",
-    "audit_report": "zeropp.audit",
-    "comm_ledger": "zeropp.ledger",
-    "enable": "zeropp.sharding",
-    "generation_mode": "zeropp.hpz",
+    "audit_report": "zeropp.techniques.audit",
+    "comm_ledger": "zeropp.fsdp.ledger",
+    "enable": "zeropp.setup.sharding",
+    "explain": "zeropp.setup.explain",
+    "generation_mode": "zeropp.techniques.hpz",
     "initialize": "zeropp.engine",
-    "offload_optimizer": "zeropp.offload",
-    "optimizer_in_backward": "zeropp.stepping",
+    "offload_optimizer": "zeropp.fsdp.offload",
+    "optimizer_in_backward": "zeropp.fsdp.stepping",
     "save_full_weights": "zeropp.checkpoint.full",
-    "shard": "zeropp.sharding",
-    "sharded_comms": "zeropp.sharding",
+    "shard": "zeropp.setup.sharding",
+    "sharded_comms": "zeropp.setup.sharding",
 }
 __all__ = sorted(_PUBLIC)
 __version__ = "0.1.0"

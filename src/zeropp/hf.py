@@ -4,12 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from zeropp.integrations import hf as _hf
 from zeropp.integrations.hf import ZeroPPRequest, ZeroPPSource, ZeroPPTrainer, prepare_model, sharding_root
 
 __all__ = ["ZeroPPRequest", "ZeroPPSource", "ZeroPPTrainer", "prepare_model", "sharding_root"]
 
 
+_TRL_TRAINERS = ("ZeroPPGRPOTrainer", "ZeroPPSFTTrainer")
+
+
 def __getattr__(name: str) -> Any:
     """``ZeroPPGRPOTrainer`` and ``ZeroPPSFTTrainer``, imported on first use (they need trl)."""
-    return getattr(_hf, name)
+    if name in _TRL_TRAINERS:
+        from zeropp.integrations import hf_trl
+
+        return getattr(hf_trl, name)
+    raise AttributeError(f"module 'zeropp.hf' has no attribute {name!r}")

@@ -69,8 +69,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.utils import CheckpointException
 
-from zeropp._fsdp import EmptyStateDictLoadPlanner, set_element
-from zeropp.comms import all_gather_strings
+from zeropp.fsdp.access import EmptyStateDictLoadPlanner, set_element
+from zeropp.fsdp.comms import all_gather_strings
 
 FORMAT = "zeropp-checkpoint"
 FORMAT_VERSION = 1

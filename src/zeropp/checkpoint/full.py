@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from zeropp.comms import all_gather_strings
+from zeropp.fsdp.comms import all_gather_strings
 
 SAFETENSORS_NAME = "model.safetensors"
 INDEX_SUFFIX = ".index.json"

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from zeropp._fsdp import load_state_dict_into
 from zeropp.checkpoint import (
     LATEST,
     CheckpointError,
@@ -23,6 +22,7 @@ from zeropp.checkpoint import (
     resolve,
     verify,
 )
+from zeropp.fsdp.access import load_state_dict_into
 
 
 def _require(directory: str | os.PathLike[str], tag: str | None) -> Path:

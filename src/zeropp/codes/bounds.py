@@ -1,6 +1,6 @@
 """How large a block code's error may be: per block, the L2 bound on ``x - decode(encode(x))``
 that a codec's segments allow, derived from the exact values alone (never from a payload), so
-that a collective's error can be held against it while training (``zeropp.audit``).
+that a collective's error can be held against it while training (``zeropp.techniques.audit``).
 
 [Note: block-constant bounds]
 A bound is a tensor shaped like the values it bounds, holding for each block one value repeated

@@ -170,7 +170,7 @@ class ChunkCodec:
         segment by segment: each segment's slices of those chunks, one after the other. FSDP2
         lays out a unit split over hpZ's h ranks so, from the chunks of the S ranks it is
         sharded over (``rows_per_chunk`` = S/h; [Note: hpZ's copy as qwZ's codes] in
-        ``zeropp.hpz``). Its payload is ``regroup_payload`` of theirs: the same codes, so it
+        ``zeropp.techniques.hpz``). Its payload is ``regroup_payload`` of theirs: the same codes, so it
         decodes to the same values."""
         return ChunkCodec([s for s in self.segments for _ in range(rows_per_chunk)], self.block_size, self.dtype)
 

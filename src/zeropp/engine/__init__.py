@@ -43,19 +43,20 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from zeropp import checkpoint
-from zeropp._fsdp import set_process_group_timeouts
-from zeropp.audit import ReportCursor, audit_log_line
-from zeropp.comms import collective_timeout_s, global_grad_norm_and_overflow
 from zeropp.config import DeepSpeedConfig, parse_deepspeed
 from zeropp.engine.deepspeed_api import DeepSpeedInterface
 from zeropp.engine.loss_scaler import LossScaler
 from zeropp.engine.lr_schedules import build_scheduler
 from zeropp.engine.rng import rng_state, set_rng_state
-from zeropp.ledger import comm_ledger
-from zeropp.offload import offload_optimizer
-from zeropp.qgz import HierarchicalQuantizedReduceScatter
-from zeropp.sharding import UnitSpec, enable, shard, sharded_comms
-from zeropp.topology import Topology
+from zeropp.fsdp.access import set_process_group_timeouts
+from zeropp.fsdp.comms import collective_timeout_s, global_grad_norm_and_overflow
+from zeropp.fsdp.ledger import comm_ledger
+from zeropp.fsdp.offload import offload_optimizer
+from zeropp.setup.explain import Explanation, explain
+from zeropp.setup.sharding import UnitSpec, enable, shard, sharded_comms
+from zeropp.setup.topology import Topology
+from zeropp.techniques.audit import ReportCursor, audit_log_line
+from zeropp.techniques.qgz import HierarchicalQuantizedReduceScatter
 
 logger = logging.getLogger("zeropp")
 
@@ -261,6 +262,14 @@ class ZeroPPEngine(DeepSpeedInterface):
         if dist.get_rank() == 0:
             print(table)
         return table
+
+    def explain(self) -> Explanation:
+        """What zeropp does to the engine's model, unit by unit (``zeropp.explain``); rank 0 also
+        prints it."""
+        explanation = explain(self.module)
+        if dist.get_rank() == 0:
+            print(explanation)
+        return explanation
 
     # -- checkpoints ----------------------------------------------------------------------------
 

@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeropp._fsdp import fsdp_units
 from zeropp.checkpoint.full import save_full_weights, tied_names
 from zeropp.config import DeepSpeedConfig
-from zeropp.hpz import drop_secondary_copies
-from zeropp.sharding import sharded_comms
-from zeropp.topology import Topology
+from zeropp.fsdp.access import fsdp_units
+from zeropp.setup.sharding import sharded_comms
+from zeropp.setup.topology import Topology
+from zeropp.techniques.hpz import drop_secondary_copies
 
 logger = logging.getLogger("zeropp")
 
@@ -85,7 +85,7 @@ _WAYS: tuple[tuple[str, str], ...] = (
      "units (the buckets); `zero_optimization.zeropp.overlap` overlaps communication where FSDP2 "
      "has no streams (gloo)"),
     ("zero_ignore_unused_parameters",
-     "parameters without a gradient on some ranks are always handled (zeropp.unused)"),
+     "parameters without a gradient on some ranks are always handled (zeropp.fsdp.unused)"),
     ("allreduce_gradients allreduce_bucket allreduce_and_copy allreduce_no_retain "
      "buffered_allreduce_fallback sparse_allreduce_no_retain sparse_allreduce_bucket sparse_allreduce "
      "sparse_all_gather all_gather_scalar coalesce_grad_reduction communication_data_type "

@@ -12,8 +12,8 @@ optimizer and schedule step the shards, and ``max_grad_norm`` clips with
 
 The ZeRO++ settings come as a ``ZeroPPConfig``, or as the user's DeepSpeed config file (a path or
 a dict as ``zeropp_config``, or ``TrainingArguments(deepspeed=...)``), read as DeepSpeed's Trainer
-integration reads it: see ``zeropp.integrations.hf_deepspeed``. TRL's trainers: ``ZeroPPGRPOTrainer`` and
-``ZeroPPSFTTrainer`` (``zeropp.integrations.hf_trl``, imported on first use, so this module needs no trl).
+integration reads it: see ``zeropp.integrations.hf_deepspeed``. TRL's trainers build on this module:
+``zeropp.integrations.hf_trl`` (``zeropp.hf`` imports them on first use, so it needs no trl).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeropp._fsdp import mark_prepared_for_accelerate
-from zeropp.audit import ReportCursor, audit_metrics
 from zeropp.config import ZeroPPConfig
 from zeropp.engine.lr_schedules import build_scheduler
+from zeropp.fsdp.access import mark_prepared_for_accelerate
+from zeropp.fsdp.offload import offload_optimizer
 from zeropp.integrations import hf_checkpoint
 from zeropp.integrations.hf_deepspeed import (
     DeepSpeedSource,
@@ -36,9 +36,10 @@ from zeropp.integrations.hf_deepspeed import (
     complete_from_training_arguments,
     take_from_training_arguments,
 )
-from zeropp.offload import offload_optimizer
-from zeropp.sharding import UnitSpec, enable, shard
-from zeropp.topology import Topology
+from zeropp.setup.explain import Explanation, explain
+from zeropp.setup.sharding import UnitSpec, enable, shard
+from zeropp.setup.topology import Topology
+from zeropp.techniques.audit import ReportCursor, audit_metrics
 
 try:
     from transformers import Trainer, TrainingArguments
@@ -47,17 +48,6 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 
 ZeroPPSource = ZeroPPConfig | DeepSpeedSource
 """What ``zeropp_config`` takes: a ``ZeroPPConfig``, or a DeepSpeed config (a dict or a JSON path)."""
-
-_TRL_TRAINERS = ("ZeroPPGRPOTrainer", "ZeroPPSFTTrainer")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _TRL_TRAINERS:
-        from zeropp.integrations import hf_trl
-
-        return getattr(hf_trl, name)
-    raise AttributeError(f"module 'zeropp.hf' has no attribute {name!r}")
-
 
 def prepare_model(model: nn.Module, config: ZeroPPConfig | None = None, *, topology: Topology | None = None,
                   units: UnitSpec | None = None) -> nn.Module:
@@ -156,7 +146,7 @@ class ZeroPPTrainer(Trainer):
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """The DeepSpeed config's optimizer over every trainable parameter (as DeepSpeed builds
         it) when the config has one; else Trainer's (``optim``, or the one given). With
-        ``offload="optimizer"`` it steps on the host (``zeropp.offload``)."""
+        ``offload="optimizer"`` it steps on the host (``zeropp.fsdp.offload``)."""
         section = self._zeropp_settings.optimizer
         if section is None or self.optimizer is not None:
             super().create_optimizer(model)
@@ -178,9 +168,17 @@ class ZeroPPTrainer(Trainer):
         self._created_lr_scheduler = True  # Trainer's own flag: a later train() builds the schedule again
         return self.lr_scheduler
 
+    def explain(self) -> Explanation:
+        """What zeropp does to the model, unit by unit (``zeropp.explain``); the main process also
+        prints it."""
+        explanation = explain(sharding_root(self.model))
+        if self.args.should_log:
+            print(explanation)
+        return explanation
+
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         """Trainer's ``log``, with the audit's new rows as metrics (``zeropp/audit/<technique>/...``,
-        ``zeropp.audit.audit_metrics``) when ``audit_every`` is on: they reach every logger
+        ``zeropp.techniques.audit.audit_metrics``) when ``audit_every`` is on: they reach every logger
         Trainer reports to, and ``state.log_history``."""
         super().log({**logs, **audit_metrics(self._zeropp_audit.new_rows())}, *args, **kwargs)
 

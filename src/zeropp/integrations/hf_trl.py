@@ -13,7 +13,7 @@ down on the instance. Another TRL trainer takes zeropp the same way: subclass it
 zeropp_units)`` before calling its ``__init__``.
 
 GRPO generates with ``model.generate``; on a model sharded with hpZ that runs inside zeropp's
-generation mode by itself (``zeropp.hpz.generate_in_generation_mode``): the first forward of each
+generation mode by itself (``zeropp.techniques.hpz.generate_in_generation_mode``): the first forward of each
 generation gathers across nodes, every later one inside the node.
 """
 
@@ -25,7 +25,7 @@ from accelerate.utils import is_peft_model
 from torch import nn
 
 from zeropp.integrations.hf import ZeroPPRequest, ZeroPPSource, ZeroPPTrainer
-from zeropp.sharding import UnitSpec
+from zeropp.setup.sharding import UnitSpec
 
 try:
     from trl import GRPOTrainer, SFTTrainer

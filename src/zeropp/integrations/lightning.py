@@ -1,4 +1,4 @@
-"""Lightning: the live audit's rows ([Note: the audit] in ``zeropp.audit``) logged through the
+"""Lightning: the live audit's rows ([Note: the audit] in ``zeropp.techniques.audit``) logged through the
 Trainer's own loggers.
 
     trainer = L.Trainer(..., callbacks=[ZeroPPAudit()])
@@ -18,7 +18,7 @@ try:
 except ImportError as error:  # pragma: no cover - exercised only without the extra installed
     raise ImportError("zeropp.integrations.lightning needs lightning: pip install 'zeropp[lightning]'") from error
 
-from zeropp.audit import ReportCursor, audit_metrics
+from zeropp.techniques.audit import ReportCursor, audit_metrics
 
 
 class ZeroPPAudit(L.Callback):

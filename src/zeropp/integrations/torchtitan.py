@@ -46,8 +46,8 @@ from typing import Any
 from torch import nn
 
 from zeropp.config import ZeroPPConfig
-from zeropp.sharding import enable
-from zeropp.topology import Topology
+from zeropp.setup.sharding import enable
+from zeropp.setup.topology import Topology
 
 SPMD_BACKEND = "partial_dtensor"
 """torchtitan's ``parallelism.spmd_backend`` that hands ``fully_shard`` the data-parallel mesh

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from zeropp.tools.bench import converge
+from zeropp.tools.bench import accuracy_pretrained, converge
 from zeropp.tools.bench.paired import CONTROL, mean, std, summary, verdict
 from zeropp.tools.modes import BASELINE
 
@@ -362,19 +362,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``zeropp accuracy`` options."""
     parser.add_argument("--out", default="benchmarks/results/accuracy")
     parser.add_argument("--runs", default="runs/accuracy", help="per-run directories")
-    parser.add_argument("--seeds", type=lambda text: [int(k) for k in text.split(",")], default=list(SEEDS))
+    parser.add_argument("--seeds", type=lambda text: [int(k) for k in text.split(",")], default=None,
+                        help=f"default {','.join(map(str, SEEDS))} (with --pretrained: "
+                             f"{','.join(map(str, accuracy_pretrained.SEEDS))})")
     parser.add_argument("--corpora", type=lambda text: text.split(","), default=list(CORPORA))
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--report-only", action="store_true", help="write the verdict of the runs found, train none")
+    parser.add_argument("--pretrained", action="store_true",
+                        help="the fine-tuning grid on SmolLM2-135M instead (zeropp.tools.bench.accuracy_pretrained; "
+                             "--out defaults to benchmarks/results/accuracy_pretrained)")
+    accuracy_pretrained.add_arguments(parser)
     parser.set_defaults(func=run_from_args)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     """``zeropp accuracy``: the grid (or only its report)."""
+    if args.pretrained:
+        return accuracy_pretrained.run_from_args(args)
     if args.report_only:
         result = report(args.out)
     else:
-        result = run(args.out, corpora=args.corpora, seeds=args.seeds, steps=args.steps, runs_dir=args.runs)
+        result = run(args.out, corpora=args.corpora, seeds=args.seeds or SEEDS, steps=args.steps,
+                     runs_dir=args.runs)
     print(summary_table(result) + "\n\n" + table(result))
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from zeropp.tools.bench.worker import BENCH_MODES
 from zeropp.tools.modes import MODES, parse_modes
@@ -61,10 +62,18 @@ def run_from_args(args: argparse.Namespace) -> int:
         from zeropp.tools.bench import quant
 
         quant.run(out_dir=args.out)
+    elif args.what == "qgz-error" and args.updates_only:
+        from zeropp.tools.bench import qgz_updates
+
+        qgz_updates.write(args.out)
     elif args.what == "qgz-error":
         from zeropp.tools.bench import qgz_error
 
-        qgz_error.run(out_dir=args.out, quick=args.quick, updates_only=args.updates_only)
+        results = qgz_error.run(out_dir=args.out, quick=args.quick)
+        if not args.quick:  # the updates' part, into the same file
+            from zeropp.tools.bench import qgz_updates
+
+            qgz_updates.add_to(results, Path(args.out) / "qgz_error.json")
     elif args.what == "export":
         from zeropp.tools.bench import export
 

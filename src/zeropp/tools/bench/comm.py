@@ -3,7 +3,7 @@
 Each mode trains the benchmark GPT alone on a 2-node x 2-rank emulated cluster (unlimited links)
 through ``zeropp launch``; the worker counts every timed step's bytes three ways:
 
-- the ledger's direct sends: what each collective must move (``zeropp.ledger``);
+- the ledger's direct sends: what each collective must move (``zeropp.fsdp.ledger``);
 - the ledger's backend figure: what gloo's algorithms send, which is what the wire should show
   (see [Note: gloo on the wire]);
 - the wire: what the inter-node links' qdiscs carried (Ethernet frames) and what each node's

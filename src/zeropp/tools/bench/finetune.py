@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 import zeropp
-from zeropp.comms import all_reduce_mean
+from zeropp.fsdp.comms import all_reduce_mean
 from zeropp.tools.cluster.launch import launch_local
 from zeropp.tools.data.corpus import VALIDATION_FRACTION_PERCENT, _step_seed, shakespeare_text
 from zeropp.tools.jobs import add_config_flags, config_flags

@@ -186,21 +186,12 @@ def measure(chunks: torch.Tensor, segments: Sequence[Segment], bits: tuple[int, 
             "relative_bias": (sum(errors).div(runs).norm() / norm).item()}
 
 
-def run(out_dir: str | Path = "benchmarks/results", *, quick: bool = False, trials: int = 8,
-        updates_only: bool = False) -> dict[str, Any]:
-    """Every case; writes ``qgz_error.json`` and ``qgz_error.png`` under ``out_dir``. With
-    ``updates_only``, only ``zeropp.tools.bench.qgz_updates``'s part, into ``qgz_error_updates.json``."""
-    from zeropp.tools.bench import qgz_updates
-
+def run(out_dir: str | Path = "benchmarks/results", *, quick: bool = False, trials: int = 8) -> dict[str, Any]:
+    """Every case; writes ``qgz_error.json`` and ``qgz_error.png`` under ``out_dir`` (the updates'
+    part, ``zeropp.tools.bench.qgz_updates``, writes its own file)."""
     started = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if updates_only:
-        results = {"updates": qgz_updates.run(), "spared_bytes": qgz_updates.spared_byte_cost(),
-                   "seconds": time.perf_counter() - started}
-        (out / "qgz_error_updates.json").write_text(json.dumps(results, indent=1))
-        print(qgz_updates.table(results["updates"]))
-        return results
     layouts = ((2, 2),) if quick else LAYOUTS
     data: dict[str, Callable[[int, int], tuple[torch.Tensor, list[Segment]]]] = {
         name: _synthetic(name, quick) for name in ("gaussian", "student_t")}
@@ -218,19 +209,14 @@ def run(out_dir: str | Path = "benchmarks/results", *, quick: bool = False, tria
                                  "option": option, **measure(chunks, segments, bits, settings, trials)})
                     print(_row_text(rows[-1]), flush=True)
     sweep = [] if quick else _node_sweep(trials)
-    updates = [] if quick else qgz_updates.run()
-    spared = [] if quick else qgz_updates.spared_byte_cost()
     options = {name: {"code": str(o.code), "block_size": o.block_size,
                       "cross_node_bits_per_element": o.bits_per_element(4)} for name, o in OPTIONS.items()}
-    results = {"options": options, "trials": trials, "rows": rows, "node_sweep": sweep, "updates": updates,
-               "spared_bytes": spared,
-               "seconds": time.perf_counter() - started}
+    results = {"options": options, "trials": trials, "rows": rows, "node_sweep": sweep, "updates": [],
+               "spared_bytes": [], "seconds": time.perf_counter() - started}
     (out / "qgz_error.json").write_text(json.dumps(results, indent=1))
     if sweep:
         plot(out / "qgz_error.png", sweep)
     print(table(rows))
-    if updates:
-        print(qgz_updates.table(updates))
     print(f"\nwrote {out / 'qgz_error.json'}")
     return results
 

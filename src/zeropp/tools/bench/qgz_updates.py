@@ -21,8 +21,11 @@ step, in a direction the data never asked for. Per code, on the real gradients o
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -169,3 +172,22 @@ def spared_byte_cost(spare_below: int = SPARE_BELOW) -> list[dict[str, Any]]:
                                                                                         if n < spare_below),
                      "int4_bytes": plain, "spared_bytes": spared, "extra_percent": 100 * (spared / plain - 1)})
     return rows
+
+
+def write(out_dir: str | Path = "benchmarks/results") -> dict[str, Any]:
+    """``run`` and ``spared_byte_cost`` into ``<out_dir>/qgz_error_updates.json``; prints the table."""
+    started = time.perf_counter()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"updates": run(), "spared_bytes": spared_byte_cost(), "seconds": time.perf_counter() - started}
+    (out / "qgz_error_updates.json").write_text(json.dumps(results, indent=1))
+    print(table(results["updates"]))
+    return results
+
+
+def add_to(results: dict[str, Any], path: Path) -> None:
+    """The updates' rows and the spared parameters' byte cost added to ``zeropp bench qgz-error``'s
+    results, rewritten to ``path``."""
+    results.update(updates=run(), spared_bytes=spared_byte_cost())
+    path.write_text(json.dumps(results, indent=1))
+    print(table(results["updates"]))

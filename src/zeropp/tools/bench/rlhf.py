@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import zeropp
-from zeropp.comms import all_reduce_mean
+from zeropp.fsdp.comms import all_reduce_mean
 from zeropp.tools.cluster.launch import launch_local
 from zeropp.tools.data import CharCorpus
 from zeropp.tools.jobs import config_flags, run_rank_job

@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
+from zeropp.setup.topology import Topology
 from zeropp.tools.bench.quant import _machine as machine_info
 from zeropp.tools.bench.scale_rank import FULL_LAYERS, RunConfig, build_meta_llama
 from zeropp.tools.modes import MODES, check_modes, zeropp_modes
-from zeropp.topology import Topology
 
 WORLD_SIZES = (64, 384, 1024, 4096)
 SCALE_MODES = ("zero3", "qwz", "hpz", "qgz", "all")

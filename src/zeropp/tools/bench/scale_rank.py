@@ -173,7 +173,7 @@ def memory_tracker(model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
     unit in its reduce-scatter ([Note: measured memory])."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType, _FSDPState
 
-    from zeropp._fsdp import unit_parameters, unsharded_gradients
+    from zeropp.fsdp.access import unit_parameters, unsharded_gradients
 
     class UnitMemoryTracker(FSDPMemTracker):
         def _fsdp_param_group_post_backward(self, unit: Any, post_backward: Any) -> Any:
@@ -210,7 +210,7 @@ class Steps:
             torch.cuda.synchronize(self.device)
 
     def step(self) -> None:
-        from zeropp.hpz import held_secondary_copy_bytes
+        from zeropp.techniques.hpz import held_secondary_copy_bytes
 
         loss = self.llama(input_ids=self.tokens, labels=self.tokens).loss
         self.secondary_copy_bytes = held_secondary_copy_bytes(self.llama)
@@ -281,8 +281,8 @@ def run(config: RunConfig) -> dict[str, Any]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import zeropp
-    from zeropp._fsdp import counting_new_groups, num_process_groups
-    from zeropp.hpz import keep_decoded_secondary_copies
+    from zeropp.fsdp.access import counting_new_groups, num_process_groups
+    from zeropp.techniques.hpz import keep_decoded_secondary_copies
     from zeropp.tools.modes import MODES
 
     dist.init_process_group("fake", rank=config.rank, world_size=config.world_size, store=FakeStore())

@@ -47,11 +47,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import zeropp
-from zeropp._fsdp import unit_layout
-from zeropp.comms import CountingAllGather, CountingReduceScatter, all_gather_strings
-from zeropp.hpz import keep_decoded_secondary_copies, secondary_copy_bytes
-from zeropp.ledger import COUNTS, GroupInfo, Op
-from zeropp.sharding import select_units
+from zeropp.fsdp.access import unit_layout
+from zeropp.fsdp.comms import CountingAllGather, CountingReduceScatter, all_gather_strings
+from zeropp.fsdp.ledger import COUNTS, GroupInfo, Op
+from zeropp.setup.sharding import select_units
+from zeropp.techniques.hpz import keep_decoded_secondary_copies, secondary_copy_bytes
 from zeropp.tools.data import CharCorpus
 from zeropp.tools.models import GPT, GPTConfig
 from zeropp.tools.modes import BASELINE, MODES, Mode, System, check_modes

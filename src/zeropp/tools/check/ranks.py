@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-PRELOADED = ["torch", "torch.distributed.fsdp", "zeropp.sharding", "zeropp.engine"]
+PRELOADED = ["torch", "torch.distributed.fsdp", "zeropp.setup.sharding", "zeropp.engine"]
 
 
 def _free_port() -> int:

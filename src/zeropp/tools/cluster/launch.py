@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
+from zeropp.setup.topology import RANKS_PER_NODE_ENV
 from zeropp.tools.cluster.netns import (
     NODE_INTERFACE,
     Cluster,
@@ -36,7 +37,6 @@ from zeropp.tools.cluster.netns import (
     parse_bandwidth,
     stop_processes,
 )
-from zeropp.topology import RANKS_PER_NODE_ENV
 
 MASTER_PORT = 29500
 STOP_GRACE_S = 15.0

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from zeropp.config import ZeroPPConfig
+from zeropp.setup.topology import Topology
 from zeropp.tools.plan.cost import (
     Machine,
     Workload,
@@ -32,7 +33,6 @@ from zeropp.tools.plan.cost import (
 )
 from zeropp.tools.plan.model import ModelShape
 from zeropp.tools.plan.traffic import step_transfers
-from zeropp.topology import Topology
 
 LINEAR = ("flops", "activation_elements", "calls", "coded_elements", "sharded_parameters")
 """The constants a step time is linear in (seconds per each), in ``Fit.coefficients`` order."""

@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
+from zeropp.tools.models import GPT, GPTConfig
 from zeropp.tools.modes import MODES, parse_modes
 
 MACHINES = ("v100", "h100")
@@ -49,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-pin-memory", action="store_true",
                         help="with --offload cpu: pageable host memory, whose copies block the step")
     parser.add_argument("--json", action="store_true", help="print the modes as JSON (seconds, bytes)")
+    parser.add_argument("--explain", metavar="MODE", default=None,
+                        help="print zeropp.explain's table of MODE on the cluster (rank 0): every unit's collectives, "
+                             "code, bound and bytes per step, from the model built on the meta device")
     parser.add_argument("--recommend", action="store_true", help="the configuration to use, and why")
     parser.add_argument("--calibrate", action="store_true",
                         help="fit the emulated cluster's constants on --calibration-records, predict "
@@ -94,23 +99,52 @@ def machine_from_args(args: argparse.Namespace) -> Any:
 
 
 def model_from_arg(text: str, context: int) -> Any:
+    """The model shape ``--model`` names (``zeropp.tools.plan.model.meta_module``)."""
     from zeropp.tools.plan import model as model_shape
+
+    module = meta_module(text, context)
+    if text.startswith("hf:"):
+        return model_shape.hf_module(module)
+    config = module.config
+    name = f"GPT-{text.partition(':')[2]}" if text.startswith("paper:") else None
+    return model_shape.gpt(config, name)
+
+
+def _explain(mode: str, model: str, context: int, topology: Any, precision: Any) -> Any:
+    """``zeropp.explain`` of ``mode`` on the model ``--model`` names, built on the meta device."""
+    from zeropp.setup.explain import explain
+
+    if mode not in MODES:
+        raise ValueError(f"--explain {mode!r} is not a mode; modes: {', '.join(MODES)}")
+    config = MODES[mode].config(topology.ranks_per_node, param_dtype=precision.gather_dtype,
+                                reduce_dtype=precision.reduce_dtype)
+    return explain(meta_module(model, context), config, topology=topology)
+
+
+def meta_module(text: str, context: int) -> nn.Module:
+    """The model a ``--model`` argument names, built on the meta device: ``gpt:LAYERSxWIDTH``
+    (zeropp's GPT-2 style model, vocabulary 50257), ``paper:18B`` / ``paper:138B`` (the ZeRO++
+    paper's GPT sizes) or ``hf:CONFIG.json`` (a Hugging Face causal LM's config)."""
     from zeropp.tools.plan.scale import PAPER_MODELS
 
     kind, _, value = text.partition(":")
+    dims = None
     if kind == "gpt":
         layers, _, width = value.partition("x")
         if layers.isdigit() and width.isdigit() and int(width) % 64 == 0:
-            return model_shape.transformer(num_layers=int(layers), embed_dim=int(width), num_heads=int(width) // 64,
-                                           context_length=context)
+            dims = {"num_layers": int(layers), "embed_dim": int(width), "num_heads": int(width) // 64}
     elif kind == "paper" and value in PAPER_MODELS:
-        return model_shape.transformer(**PAPER_MODELS[value], context_length=context, name=f"GPT-{value}")
+        dims = PAPER_MODELS[value]
     elif kind == "hf" and Path(value).is_file():
-        from transformers import AutoConfig
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        return model_shape.hf(AutoConfig.from_pretrained(value))
-    raise ValueError(f"--model {text!r}: give gpt:LAYERSxWIDTH (width a multiple of 64), hf:<an existing "
-                     f"config.json>, or paper:{'/'.join(PAPER_MODELS)}")
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(value))
+    if dims is None:
+        raise ValueError(f"--model {text!r}: give gpt:LAYERSxWIDTH (width a multiple of 64), hf:<an existing "
+                         f"config.json>, or paper:{'/'.join(PAPER_MODELS)}")
+    with torch.device("meta"):
+        return GPT(GPTConfig(vocab_size=50257, context_length=context, **dims))
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -133,9 +167,9 @@ def _run(args: argparse.Namespace) -> int:
 
         report.run(args.out)
         return 0
+    from zeropp.setup.topology import Topology
     from zeropp.tools.plan.cost import Workload
     from zeropp.tools.plan.traffic import Precision
-    from zeropp.topology import Topology
 
     machine = machine_from_args(args)
     if args.gpus < 1 or args.gpus % machine.ranks_per_node:
@@ -149,6 +183,9 @@ def _run(args: argparse.Namespace) -> int:
                           else torch.float16)
     workload = Workload(batch_per_rank=args.batch_per_gpu, context_length=args.context, precision=precision,
                         activation_checkpointing=not args.no_checkpointing)
+    if args.explain is not None:
+        print(_explain(args.explain, args.model, args.context, topology, precision))
+        return 0
     if args.recommend:
         from zeropp.tools.plan.recommend import recommend
 

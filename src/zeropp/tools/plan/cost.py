@@ -41,7 +41,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from zeropp.config import ZeroPPConfig
-from zeropp.ledger import GroupKind, Op
+from zeropp.fsdp.ledger import GroupKind, Op
+from zeropp.setup.topology import Topology
 from zeropp.tools.plan.layout import Layout, layout_for
 from zeropp.tools.plan.memory import RankMemory, rank_memory
 from zeropp.tools.plan.model import ModelShape
@@ -54,7 +55,6 @@ from zeropp.tools.plan.traffic import (
     step_transfers,
     tensor_parallel_transfers,
 )
-from zeropp.topology import Topology
 
 GBIT = 1e9 / 8
 """Bytes per second in one Gbit/s."""
@@ -121,7 +121,7 @@ class Workload:
 def rank_sends(t: Transfer, backend: str) -> int:
     """Bytes one rank sends in ``t``: ``(g - 1)`` times what it owes each peer, twice for an
     all-reduce (a reduce-scatter and an all-gather) and for gloo's reduce-scatter (a whole
-    all-reduce, see ``zeropp.ledger``)."""
+    all-reduce, see ``zeropp.fsdp.ledger``)."""
     rounds = 2 if t.op is Op.ALL_REDUCE or (t.op is Op.REDUCE_SCATTER and backend == "gloo") else 1
     return rounds * (t.group_size - 1) * t.bytes_per_peer
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from zeropp.setup.topology import Topology
 from zeropp.tools.cluster.netns import parse_bandwidth
 from zeropp.tools.models import GPTConfig
 from zeropp.tools.modes import MODES, System
@@ -25,7 +26,6 @@ from zeropp.tools.plan import model as model_shape
 from zeropp.tools.plan.calibrate import LINEAR, Fit, Measurement, fit
 from zeropp.tools.plan.cost import Workload
 from zeropp.tools.plan.traffic import Precision
-from zeropp.topology import Topology
 
 SHAKESPEARE_VOCAB = 84
 """Distinct characters of the Shakespeare corpus, the benchmark GPT's vocabulary."""

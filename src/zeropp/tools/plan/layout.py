@@ -7,7 +7,7 @@ as placed on nodes, and the link class of each group.
 [Note: 2-D layouts in the plan]
 With ``W`` = N nodes x D ranks and tensor parallel degree t (dividing D), a unit's data-parallel
 group holds the W / t ranks of one tensor parallel index, D / t of them on each node (the mesh
-(dp_shard, tp) built data parallel first, as ``zeropp.topology``'s [Note: shard groups on nodes]
+(dp_shard, tp) built data parallel first, as ``zeropp.setup.topology``'s [Note: shard groups on nodes]
 requires). FSDP2 shards one tensor parallel rank's parameters over that group, so a rank holds
 1/t of the parameters, in shards over W / t ranks: every gather and reduce-scatter runs on the
 group and crosses nodes whenever N > 1 (all of it when t = D: one rank per node). qwZ
@@ -21,7 +21,7 @@ node: gathers and reduce-scatter stay inside the node (qgZ is its first hop only
 in full precision unless ``quantize_intra_node_weights``), and the reduced shard is reduced
 across the N replicas: FSDP2's all-reduce in the reduce dtype, or with
 ``quantized_replica_gradients`` the replicas' all-to-all and all-gather in ``grad_bits_inter``
-bits (``zeropp.replicas``' [Note: the replicas' reduction]).
+bits (``zeropp.techniques.replicas``' [Note: the replicas' reduction]).
 
 [Note: tensor parallel in the plan]
 The plan splits every block the usual Megatron way (Shoeybi et al. 2019, section 3) as far as
@@ -51,9 +51,9 @@ import math
 from dataclasses import dataclass, replace
 
 from zeropp.config import ZeroPPConfig
-from zeropp.ledger import GroupKind
+from zeropp.fsdp.ledger import GroupKind
+from zeropp.setup.topology import Topology
 from zeropp.tools.plan.model import ModelShape, UnitShape
-from zeropp.topology import Topology
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,7 +140,7 @@ def layout_for(config: ZeroPPConfig | None, layout: Layout | None = None) -> Lay
 
 
 def group_kind(topology: Topology, num_nodes: int, ranks_per_node: int) -> GroupKind:
-    """The ledger's link class (``zeropp.ledger.group_kind``) of a group of ``ranks_per_node`` ranks
+    """The ledger's link class (``zeropp.fsdp.ledger.group_kind``) of a group of ``ranks_per_node`` ranks
     on each of ``num_nodes`` nodes of ``topology``."""
     if num_nodes * ranks_per_node == topology.world_size:
         return GroupKind.WORLD

@@ -57,7 +57,7 @@ rows (N - 1 sent, one row from each node), while they stay alive. N and D are th
 group's (``Layout.shard_group``): the world's in 1-D.
 
 [Note: the replicas' buffers]
-HSDP with ``quantized_replica_gradients`` (``zeropp.replicas``' [Note: the replicas' reduction]),
+HSDP with ``quantized_replica_gradients`` (``zeropp.techniques.replicas``' [Note: the replicas' reduction]),
 after the shard group's reduce-scatter: the chunk copied as R rows of s elements in fp32 (each
 parameter's slice cut in R parts, rounded up; while the copy is made, the chunk cast to fp32
 when the reduce dtype is not), the reduced row (s x 4), and then either qgZ's one hop across the
@@ -76,6 +76,7 @@ import torch
 
 from zeropp.codes.codec import payload_bytes, segments_for
 from zeropp.config import ZeroPPConfig
+from zeropp.setup.topology import Topology
 from zeropp.tools.plan.layout import Layout, layout_for
 from zeropp.tools.plan.model import ModelShape, UnitShape
 from zeropp.tools.plan.traffic import (
@@ -90,7 +91,6 @@ from zeropp.tools.plan.traffic import (
     replica_row,
     secondary_copy_bytes,
 )
-from zeropp.topology import Topology
 
 PARAMETER_BYTES = 4
 """The parameters' own dtype (fp32): the shards, their gradients' and AdamW's states' element size."""

@@ -49,7 +49,7 @@ class ModelShape:
     num_heads: int
     vocab_size: int
     num_trainable_scalars: int = 0
-    """0-dim trainable parameters, kept whole on every rank (``zeropp.scalars``)."""
+    """0-dim trainable parameters, kept whole on every rank (``zeropp.fsdp.scalars``)."""
     architecture: str = "gpt"
     """Whose block layout the activations follow: "gpt" (GPT-2: LayerNorm, 4x GELU MLP) or
     "llama" (RMSNorm, grouped-query attention, SwiGLU MLP)."""
@@ -112,7 +112,7 @@ def from_module(model: nn.Module, units: list[nn.Module] | None = None, *, name:
     """The unit layout ``zeropp.shard`` gives ``model`` (its default units, or ``units``), children
     first as FSDP2 claims parameters, reported in forward order with the root last. ``dims``:
     further ``ModelShape`` fields (``architecture``, ``ffn_dim``, ``num_kv_heads``)."""
-    from zeropp.sharding import default_units, select_units
+    from zeropp.setup.sharding import default_units, select_units
 
     block_types = {type(block) for block in default_units(model)}
     claimed: set[int] = set()
@@ -171,3 +171,4 @@ def hf_module(model: nn.Module, units: list[nn.Module] | None = None, name: str 
     return from_module(model, units, name=name or type(model).__name__, num_layers=config.num_hidden_layers,
                        embed_dim=config.hidden_size, num_heads=config.num_attention_heads,
                        vocab_size=config.vocab_size, **dims)
+

@@ -1,6 +1,6 @@
 """Offload as the cost model sees it: CPU offload (``ZeroPPConfig.offload="cpu"``, FSDP2's
 ``CPUOffloadPolicy``) and the optimizer on the host (``offload="optimizer"``,
-``zeropp.offload.HostOptimizer``): what a rank holds in host memory, and what each unit copies
+``zeropp.fsdp.offload.HostOptimizer``): what a rank holds in host memory, and what each unit copies
 between host and device in a step.
 
 [Note: CPU offload in a step]
@@ -34,7 +34,7 @@ temporaries there, and ranks of a node contending for the host's memory bandwidt
 the per-rank rate already accounts for.
 
 [Note: the optimizer on the host in a step]
-``HostOptimizer`` (``zeropp.offload``'s [Note: the optimizer on the host]) leaves the parameter
+``HostOptimizer`` (``zeropp.fsdp.offload``'s [Note: the optimizer on the host]) leaves the parameter
 shards on the device in the parameters' dtype (``memory.PARAMETER_BYTES``), so the gathers, the
 reduce-scatters and the gradient shards are the mode's without offload. For each trainable parameter (the
 optimizer's ``param_groups``, as ``zeropp.initialize`` builds them) it keeps an fp32 master of
@@ -61,10 +61,10 @@ import math
 from dataclasses import dataclass, fields
 
 from zeropp.config import ZeroPPConfig
+from zeropp.setup.topology import Topology
 from zeropp.tools.plan.memory import PARAMETER_BYTES, local_rows
 from zeropp.tools.plan.model import ModelShape, UnitShape
 from zeropp.tools.plan.traffic import backward_gathers_from_shard, offloads_optimizer, offloads_shards, padded_numels
-from zeropp.topology import Topology
 
 MASTER_BYTES = 4
 """fp32: ``HostOptimizer``'s masters, the gradient copies it steps them with, and AdamW's states."""

@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zeropp.config import ZeroPPConfig
+from zeropp.setup.topology import Topology
 from zeropp.tools.plan.cost import Machine, StepTime, Workload, memory, step_time
 from zeropp.tools.plan.memory import RankMemory
 from zeropp.tools.plan.model import ModelShape
-from zeropp.topology import Topology
 
 ACCURACY_MARGIN = 0.03
 """A less lossy candidate within 3% of the fastest one's step time is preferred."""

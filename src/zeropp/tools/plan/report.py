@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from zeropp.setup.topology import Topology
 from zeropp.tools.plan import scale
 from zeropp.tools.plan.cost import GBIT, Workload
 from zeropp.tools.plan.traffic import Precision
-from zeropp.topology import Topology
 
 TOLERANCE = 0.15
 BANDWIDTHS_GBIT = (50, 100, 200, 400, 800, 1600)

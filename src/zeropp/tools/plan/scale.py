@@ -27,12 +27,12 @@ from typing import Any
 
 import torch
 
+from zeropp.setup.topology import Topology
 from zeropp.tools.modes import MODES
 from zeropp.tools.plan import model as model_shape
 from zeropp.tools.plan.cost import GBIT, Machine, Workload, achieved_flops, cross_node_bytes_per_node, memory, step_time
 from zeropp.tools.plan.model import ModelShape
 from zeropp.tools.plan.traffic import Precision, step_transfers
-from zeropp.topology import Topology
 
 V100_DGX2 = Machine(name="DGX-2 (16 x V100 SXM3 32 GB), InfiniBand", ranks_per_node=16,
                     inter_node_bytes_per_s=0.9 * 400 * GBIT, intra_node_bytes_per_s=120e9, latency_s=10e-6,

@@ -10,13 +10,13 @@ import dataclasses
 from typing import Any
 
 from zeropp.config import ZeroPPConfig
+from zeropp.setup.topology import Topology
 from zeropp.tools.modes import MODES, Mode, System
 from zeropp.tools.plan.cost import Machine, Workload, cross_node_bytes_per_node, memory, step_time
 from zeropp.tools.plan.layout import Layout
 from zeropp.tools.plan.model import ModelShape
 from zeropp.tools.plan.offload import host_memory, step_copies
 from zeropp.tools.plan.traffic import step_transfers
-from zeropp.topology import Topology
 
 
 def mode_layout(mode: Mode) -> Layout:

@@ -19,16 +19,16 @@ rank's chunk of a unit is the sum of ``ceil(d0 / G) * rest`` over its parameters
   ``quantize_intra_node_weights``.
 - hpZ: the backward gather runs inside the node from the secondary copy: in full precision, or
   with qwZ as the payload rows the copy is kept as (each rank's world rows of the forward gather,
-  [Note: hpZ's copy as qwZ's codes] in ``zeropp.hpz``). A partition of the whole world (one node)
-  keeps no copy (``zeropp.topology``'s [Note: one node mesh]): the step is the mode's without hpZ.
+  [Note: hpZ's copy as qwZ's codes] in ``zeropp.techniques.hpz``). A partition of the whole world (one node)
+  keeps no copy (``zeropp.setup.topology``'s [Note: one node mesh]): the step is the mode's without hpZ.
 - qgZ: the reduce-scatter becomes two all-to-alls over the shard group as placed on nodes; a
   rank sends each node peer the N chunks it owes that peer's local index, then each remote node
   one chunk, never its own rows (one hop where the group has one node or one rank per node).
 - Every zeropp mode: one byte per parameter of each trainable unit, all-reduced in backward
-  (which ranks had a gradient, ``zeropp.unused``).
+  (which ranks had a gradient, ``zeropp.fsdp.unused``).
 
 A 0-dim parameter is kept whole on every rank and its gradient all-reduced after each backward
-(``zeropp.scalars``). Tensor parallel's own all-reduces are DTensor's, not the ledger's:
+(``zeropp.fsdp.scalars``). Tensor parallel's own all-reduces are DTensor's, not the ledger's:
 ``tensor_parallel_transfers`` prices them apart.
 """
 
@@ -43,11 +43,11 @@ import torch
 
 from zeropp.codes.codec import payload_bytes, segments_for
 from zeropp.config import ZeroPPConfig
-from zeropp.ledger import COUNTS, GroupKind, Op
-from zeropp.qwz import has_two_hops
+from zeropp.fsdp.ledger import COUNTS, GroupKind, Op
+from zeropp.setup.topology import Topology
+from zeropp.techniques.qwz import has_two_hops
 from zeropp.tools.plan.layout import Layout, group_kind, layout_for
 from zeropp.tools.plan.model import ModelShape, UnitShape
-from zeropp.topology import Topology
 
 FSDP2_OWN = ZeroPPConfig()
 """FSDP2's own collectives (``config`` None), priced as zeropp's without a technique: the same
@@ -70,7 +70,7 @@ class Transfer:
     """Elements this rank quantizes and dequantizes for it (qwZ, qgZ; not a ledger count)."""
     background: bool = False
     """Started asynchronously and waited for only when its result is used, with a few bytes:
-    counted in the ledger, given no time by the cost model (``zeropp.unused``'s exchange)."""
+    counted in the ledger, given no time by the cost model (``zeropp.fsdp.unused``'s exchange)."""
 
     @property
     def factor(self) -> int:
@@ -120,7 +120,7 @@ def shard_kind(topology: Topology, shard: Topology) -> GroupKind:
 
 
 def _presence(unit: UnitShape, topology: Topology) -> list[Transfer]:
-    """[Note: gradients some ranks lack] (``zeropp.unused``): one byte per parameter of a unit
+    """[Note: gradients some ranks lack] (``zeropp.fsdp.unused``): one byte per parameter of a unit
     with trainable parameters, max-reduced over the world in backward."""
     if not any(unit.trainable):
         return []
@@ -161,7 +161,7 @@ def gathered_quantized(unit: UnitShape, config: ZeroPPConfig | None, topology: T
 def keeps_secondary_copy(config: ZeroPPConfig | None, topology: Topology) -> bool:
     """Whether hpZ keeps a secondary copy of each unit from its forward to its backward: over a
     partition smaller than the world. A partition of the whole world is the primary shard itself,
-    so a run keeps no copy and gathers backward from the shard, as ZeRO-3 does (``zeropp.topology``'s
+    so a run keeps no copy and gathers backward from the shard, as ZeRO-3 does (``zeropp.setup.topology``'s
     [Note: one node mesh]); ``config`` None (FSDP2's HSDP) has no hpZ."""
     hpz = config.hpz_partition_size if config is not None else 1
     return 1 < hpz < topology.world_size
@@ -177,7 +177,7 @@ def secondary_copy_bytes(unit: UnitShape, config: ZeroPPConfig | None, topology:
                          precision: Precision) -> float:
     """Bytes of one unit's hpZ secondary copy on a rank, held from its forward to its backward:
     its parameters over hpZ's group in the gather dtype, or with qwZ the world/hpZ payload rows
-    they are decoded from ([Note: hpZ's copy as qwZ's codes] in ``zeropp.hpz``); 0 where hpZ keeps
+    they are decoded from ([Note: hpZ's copy as qwZ's codes] in ``zeropp.techniques.hpz``); 0 where hpZ keeps
     none (``keeps_secondary_copy``)."""
     if not keeps_secondary_copy(config, topology) or not unit.shapes:
         return 0.0
@@ -199,7 +199,7 @@ def offloads_shards(config: ZeroPPConfig | None) -> bool:
 
 def offloads_optimizer(config: ZeroPPConfig | None) -> bool:
     """Whether the optimizer's state and step live on the host: with the shards (``offload="cpu"``)
-    or alone (``offload="optimizer"``, ``zeropp.offload.HostOptimizer``)."""
+    or alone (``offload="optimizer"``, ``zeropp.fsdp.offload.HostOptimizer``)."""
     return config is not None and config.offload != "none"
 
 
@@ -285,7 +285,7 @@ def _reduce(unit: UnitShape, padded: list[int], config: ZeroPPConfig, topology: 
 
 
 class ReplicaRow(NamedTuple):
-    """One row of the replicas' reduction ([Note: the replicas' reduction] in ``zeropp.replicas``)."""
+    """One row of the replicas' reduction ([Note: the replicas' reduction] in ``zeropp.techniques.replicas``)."""
 
     numel: int
     """Each trainable parameter's slice of the rank's chunk cut in R parts, the parts rounded up."""

@@ -1,0 +1,291 @@
+"""The set-up as one plan: what zeropp will do to every unit of a model, computed before anything
+is built, checked on it, agreed across ranks, then installed (``zeropp.setup.install``).
+
+[Note: plan, check, install]
+``zeropp.shard`` and ``zeropp.enable`` go one way through three steps:
+
+1. **plan** (this module): from the model, the config and the topology, with no collective and
+   no process group, an immutable ``Plan``: per unit its parameters, its shard group and where
+   that group sits on the nodes, its replicas, and what each direction gets (the weight gather:
+   FSDP2's or qwZ's, with which parameters quantized; hpZ's secondary copy and how it is kept;
+   the gradient reduction: FSDP2's or qgZ's, with which parameters spared; the replicas'
+   reduction), and every refusal, each with its reason. A bare model's plan (``zeropp.shard``)
+   predicts the units ``fully_shard`` will make on the world mesh; a sharded model's
+   (``zeropp.enable``) reads them from FSDP2.
+2. **check**: one exchange among the ranks (``zeropp.setup.checks``) compares their plans and
+   hands each rank every other rank's shard groups (a 2-D mesh's ranks see their own group
+   only); then the first refusal, if any, is raised, on every rank alike, before any group is
+   built.
+3. **install** (``zeropp.setup.install``): the process groups the plan needs, each built once,
+   and each unit's comms and hooks, in one pass.
+
+``zeropp.explain`` prints the same plan: the collectives each unit issues in a training step,
+with their bytes (``zeropp.setup.explain``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from zeropp.config import ZeroPPConfig
+from zeropp.fsdp.access import (
+    UnitLayout,
+    fsdp_units,
+    offloads_to_cpu,
+    replicate_group,
+    root_kept_whole_after_forward,
+    shard_group_ranks,
+    unit_layout,
+    unit_parameters,
+)
+from zeropp.setup.topology import Topology, place_on_nodes
+from zeropp.techniques.hpz import check_hpz
+from zeropp.techniques.qgz import full_precision_gradients
+from zeropp.techniques.qwz import quantized_parameters
+
+UnitSpec = Sequence[type[nn.Module] | nn.Module]
+"""What ``zeropp.shard`` takes as ``units``: module classes or modules to shard as units."""
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """What zeropp does to one unit (a module given to ``fully_shard``)."""
+
+    name: str
+    """The unit's path in the model, "the root" for the model itself."""
+    kind: str
+    """The unit's class name."""
+    layout: UnitLayout
+    """Its parameters as FSDP2 lays them out (names as the model spells them)."""
+    shard_ranks: tuple[int, ...]
+    """This rank's shard group: the global ranks the unit is sharded over, in group order."""
+    replica_ranks: tuple[int, ...] | None
+    """HSDP: the ranks holding this rank's shard in the other replicas (this rank included)."""
+    quantized: tuple[bool, ...]
+    """Per parameter: qwZ codes it in the weight gather."""
+    spared: tuple[bool, ...]
+    """Per trainable parameter: qgZ sends its gradient unquantized."""
+    secondary: str
+    """hpZ's secondary copy: "none"; "fsdp" (FSDP2's own, over hpZ's node mesh or the unit's own
+    ``reshard_after_forward`` group); "codes" (the same, kept as qwZ's codes); "node copy" (a
+    2-D mesh: kept by zeropp)."""
+    partition: int
+    """Ranks the unit stays sharded over between forward and backward (hpZ's partition; the
+    shard group's size where it keeps no secondary copy)."""
+    gradients: str
+    """The reduction inside the shard group: "fsdp" or "qgZ" (for units that train something)."""
+    replicas: str
+    """The reduction across HSDP's replicas: "none", "fsdp" (FSDP2's all-reduce) or "quantized"."""
+    shard_layout: tuple[tuple[int, ...], ...] | None = None
+    """Every shard group of the unit's mesh, each its global ranks (filled by the ranks' exchange);
+    None for a unit sharded over the world."""
+
+    @property
+    def gathers(self) -> str:
+        """The weight gather: "qwZ" when any parameter is quantized, else "fsdp"."""
+        return "qwZ" if any(self.quantized) else "fsdp"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What ``zeropp.shard`` / ``zeropp.enable`` will do, unit by unit ([Note: plan, check, install])."""
+
+    config: ZeroPPConfig
+    topology: Topology
+    units: tuple[UnitPlan, ...]
+    """In ``model.modules()`` order (the root first), as FSDP2's units are."""
+    scalar_bytes: tuple[int, ...] = ()
+    """Each trainable 0-dim parameter's bytes (kept whole, its gradient all-reduced: ``zeropp.fsdp.scalars``)."""
+    refusals: tuple[str, ...] = ()
+    """Why the set-up cannot go ahead, each naming the key or unit, the value and what would work."""
+    warnings: tuple[str, ...] = ()
+    """What the set-up will log (a technique that changes nothing on this layout)."""
+
+    @property
+    def hpz_mesh(self) -> bool:
+        """Whether hpZ's node mesh is built ([Note: one node mesh] in ``zeropp.setup.topology``)."""
+        return self.config.hpz_partition_size not in (1, self.topology.world_size)
+
+    def check(self) -> None:
+        """Raise the first refusal, if any."""
+        if self.refusals:
+            raise ValueError(self.refusals[0])
+
+    def with_shard_layouts(self, layouts: Sequence[tuple[tuple[int, ...], ...] | None]) -> Plan:
+        """This plan with every unit's shard groups, as the ranks' exchange found them."""
+        units = tuple(dataclasses.replace(unit, shard_layout=layout) for unit, layout in zip(self.units, layouts))
+        return dataclasses.replace(self, units=units)
+
+
+def plan_sharded(model: nn.Module, config: ZeroPPConfig, topology: Topology) -> Plan:
+    """The plan of ``zeropp.enable`` on a model FSDP2 has sharded: its units as FSDP2 holds them."""
+    names = {id(module): name or "the root" for name, module in model.named_modules()}
+    param_names = {id(p): name for name, p in model.named_parameters()}
+    units = []
+    for unit in fsdp_units(model):
+        layout = unit_layout(unit)
+        layout = dataclasses.replace(layout, names=[param_names.get(id(p), "?") for p in unit_parameters(unit)])
+        if unit is model and root_kept_whole_after_forward(unit):
+            layout = dataclasses.replace(layout, post_forward_group_size=layout.shard_group_size,
+                                         kept_whole_after_forward=True)
+        replicas = replicate_group(unit)
+        units.append((names[id(unit)], type(unit).__name__, layout, shard_group_ranks(unit) or (dist.get_rank(),),
+                      None if replicas is None else tuple(dist.get_process_group_ranks(replicas))))
+    refusals = _model_refusals(model, config, topology)
+    if config.offload == "cpu":
+        missing = [name or type(model).__name__ for name, unit in model.named_modules()
+                   if isinstance(unit, FSDPModule) and unit_parameters(unit) and not offloads_to_cpu(unit)]
+        if missing:
+            refusals.append(f"{config.key_of('offload')}={config.offload!r}, but {', '.join(missing[:3])}"
+                            f"{' and others' if len(missing) > 3 else ''} were sharded without CPU offload; "
+                            "zeropp.enable cannot move shards fully_shard placed: pass "
+                            "offload_policy=CPUOffloadPolicy() to fully_shard (or use zeropp.shard, which does)")
+    return _plan(config, topology, units, _scalar_bytes(model), refusals)
+
+
+def plan_bare(model: nn.Module, config: ZeroPPConfig, topology: Topology, units: list[nn.Module]) -> Plan:
+    """The plan of ``zeropp.shard``: the units ``fully_shard`` will make of ``units`` and then the
+    root, on the world mesh, each owning the parameters no unit inside it claimed (children
+    first, as FSDP2 claims them), 0-dim parameters left whole."""
+    world = topology.world_size
+    names = {id(module): name or "the root" for name, module in model.named_modules()}
+    param_names = {id(p): name for name, p in model.named_parameters()}
+    claimed: set[int] = set()
+    planned = {}
+    for unit in [*units, model]:
+        params = [p for p in unit.parameters() if id(p) not in claimed and p.dim() > 0]
+        claimed.update(id(p) for p in params)
+        layout = UnitLayout(
+            names=[param_names[id(p)] for p in params], shapes=[p.shape for p in params],
+            padded_numels=[-(-p.shape[0] // world) * world * math.prod(p.shape[1:]) for p in params],
+            trainable=[p.requires_grad for p in params],
+            gather_dtypes=[config.param_dtype or p.dtype for p in params],
+            shard_group_size=world if params else 1, post_forward_group_size=world if params else 1,
+            reduce_dtype=config.reduce_dtype or config.param_dtype or params[0].dtype if params else None)
+        planned[id(unit)] = (names[id(unit)], type(unit).__name__, layout, tuple(range(world)), None)
+    in_order = [planned[id(module)] for module in model.modules() if id(module) in planned]  # the root first
+    return _plan(config, topology, in_order, _scalar_bytes(model), _model_refusals(model, config, topology))
+
+
+def _scalar_bytes(model: nn.Module) -> list[int]:
+    """Each trainable 0-dim parameter's bytes (kept whole outside FSDP2: ``zeropp.fsdp.scalars``)."""
+    return [p.numel() * p.element_size() for p in model.parameters() if p.dim() == 0 and p.requires_grad]
+
+
+def _model_refusals(model: nn.Module, config: ZeroPPConfig, topology: Topology) -> list[str]:
+    """The checks that need the model and the topology but no unit: hpZ's size, the name patterns."""
+    refusals = _refused(check_hpz, config.hpz_partition_size, topology, config.key_of("hpz_partition_size"))
+    names = [name for name, _ in model.named_parameters()]
+    for key in ("unquantized_parameters", "grad_full_precision_parameters"):
+        for pattern in getattr(config, key):
+            if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+                refusals.append(f"{config.key_of(key)} pattern {pattern!r} matches no parameter of "
+                                f"{type(model).__name__}; its parameters are named like {names[:3]}")
+    return refusals
+
+
+def _refused(check: Callable[..., None], *args: object) -> list[str]:
+    """The message of a check that raises ``ValueError``, as a list (empty when it passes)."""
+    try:
+        check(*args)
+    except ValueError as error:
+        return [str(error)]
+    return []
+
+
+def _plan(config: ZeroPPConfig, topology: Topology, planned: list, scalar_bytes: list[int],
+          refusals: list[str]) -> Plan:
+    """Each unit's techniques and refusals, from its layout and groups."""
+    hpz_mesh = config.hpz_partition_size not in (1, topology.world_size)
+    units, warnings = [], []
+    for name, kind, layout, shard_ranks, replica_ranks in planned:
+        refusals += _unit_refusals(f"unit {name!r} ({kind})", layout, shard_ranks, replica_ranks, config, topology)
+        quantized = quantized_parameters(layout, config.quantized_weights, config.quantized_nontrainable_weights,
+                                         config.unquantized_parameters)
+        trainable = [i for i, t in enumerate(layout.trainable) if t]
+        spared = full_precision_gradients([layout.names[i] for i in trainable], [layout.shapes[i] for i in trainable],
+                                          config.grad_full_precision_parameters, config.grad_full_precision_below)
+        on_world = layout.shard_group_size == topology.world_size
+        on_hpz_mesh = hpz_mesh and on_world and not layout.kept_whole_after_forward
+        partition = config.hpz_partition_size if on_hpz_mesh else layout.post_forward_group_size
+        smaller_after_forward = partition < layout.shard_group_size
+        if not layout.padded_numels:
+            secondary = "none"
+        elif not on_world and config.hpz_partition_size > 1:
+            secondary = "node copy"
+        elif smaller_after_forward:
+            secondary = "codes" if any(quantized) else "fsdp"
+        else:
+            secondary = "none"
+        replicas = "none" if replica_ranks is None else ("quantized" if config.quantized_replica_gradients
+                                                         else "fsdp")
+        gradients = "qgZ" if config.quantized_gradients else "fsdp"
+        units.append(UnitPlan(name, kind, layout, tuple(shard_ranks), replica_ranks, tuple(quantized), tuple(spared),
+                              secondary, partition, gradients, replicas))
+    with_params = [unit for unit in units if unit.layout.padded_numels]
+    if config.quantized_weights and not config.quantize_intra_node_weights and with_params and all(
+            len({topology.node_of(rank) for rank in unit.shard_ranks}) == 1 for unit in with_params):
+        warnings.append(
+            f"zeropp: {config.key_of('quantized_weights')}=true, but every unit gathers its weights inside a node "
+            f"(HSDP's shard group): qwZ sends full precision there and changes nothing; set "
+            f"{config.key_of('quantize_intra_node_weights')}=true to quantize these gathers too")
+    return Plan(config, topology, tuple(units), tuple(scalar_bytes), tuple(refusals), tuple(warnings))
+
+
+def _unit_refusals(name: str, layout: UnitLayout, ranks: Sequence[int], replicas: Sequence[int] | None,
+                   config: ZeroPPConfig, topology: Topology) -> list[str]:
+    """A unit's sharding against the techniques asked for; each message names the unit (``name``:
+    its path in the model and class) and says how to shard it instead."""
+    if not layout.padded_numels:
+        return []
+    refusals = []
+    on_world = layout.shard_group_size == topology.world_size
+    if config.quantized_gradients and not on_world:
+        try:
+            place_on_nodes(topology, ranks)
+        except ValueError as error:
+            refusals.append(f"{config.key_of('quantized_gradients')}: {name} reduce-scatters over {error}; or "
+                            f"turn {config.key_of('quantized_gradients')} off")
+    if config.quantized_replica_gradients and replicas is None:
+        refusals.append(
+            f"{config.key_of('quantized_replica_gradients')}=true quantizes the gradients' all-reduce across HSDP's "
+            f"replicas, but {name} has no replicas (sharded on a 1-D mesh or a tensor parallel x FSDP one): shard "
+            "it with fully_shard(module, mesh=<(replicate, shard) mesh>) or leave the option off")
+    hpz, hpz_key = config.hpz_partition_size, config.key_of("hpz_partition_size")
+    if hpz > 1 and not on_world:
+        refusals += _hpz_on_2d_mesh(config, topology, name, ranks, layout.shard_group_size)
+    if hpz > 1 and layout.post_forward_group_size not in (hpz, layout.shard_group_size):
+        refusals.append(
+            f"{hpz_key}={hpz}, but {name} was sharded with reshard_after_forward="
+            f"{layout.post_forward_group_size} (its weights stay sharded over that many ranks after forward): "
+            f"shard it with reshard_after_forward=True (zeropp.enable then sets hpZ's partition) or {hpz}, "
+            f"or set {hpz_key}={layout.post_forward_group_size}")
+    return refusals
+
+
+def _hpz_on_2d_mesh(config: ZeroPPConfig, topology: Topology, name: str, ranks: Sequence[int],
+                    group_size: int) -> list[str]:
+    """hpZ on a unit of a 2-D mesh keeps its copy over the unit's data-parallel ranks on each
+    node ([Note: hpZ on a 2-D mesh]): hpZ's size must equal those ranks per node (at least two)."""
+    hpz, hpz_key = config.hpz_partition_size, config.key_of("hpz_partition_size")
+    per_node = len(ranks) // len({topology.node_of(rank) for rank in ranks})
+    where = (f"{hpz_key}={hpz}, but {name} is sharded over {group_size} of {topology.world_size} ranks (a 2-D "
+             f"mesh: tensor parallel x FSDP, or HSDP), {per_node} of them on each node")
+    if per_node == 1:
+        return [f"{where}: a node holds no partition of its data-parallel group to keep hpZ's copy in. "
+                f"Set {hpz_key}=1 (qwZ and qgZ work on this layout)"]
+    if per_node == group_size:
+        return [f"{where}: its shard group is one node already (HSDP), so backward's gather never "
+                f"crosses nodes and hpZ has nothing to save. Set {hpz_key}=1"]
+    if hpz != per_node:
+        return [f"{where}: hpZ's copy on a 2-D mesh spans the unit's data-parallel ranks of a node. "
+                f"Set {hpz_key}={per_node}"]
+    return []
