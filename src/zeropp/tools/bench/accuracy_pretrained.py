@@ -74,17 +74,21 @@ def run(out_dir: str | Path = "benchmarks/results/accuracy_pretrained", *, seeds
             if target.exists():
                 continue
             trained = runs_dir / Run(seed, mode).name / "metrics.jsonl"
-            for attempt in range(0 if trained.exists() else ATTEMPTS):  # a run that finished: only copied
-                print(f"seed {seed}, {mode}: fine-tuning {SETTINGS.steps} steps", flush=True)
-                if _train(Run(seed, mode), runs_dir, data_dir) == 0:
-                    break
-                print(f"seed {seed}, {mode}: attempt {attempt + 1} of {ATTEMPTS} failed", flush=True)
-            else:
-                raise RuntimeError(f"seed {seed}, {mode} failed {ATTEMPTS} times; its output is above")
+            if not trained.exists():  # a run that finished before an interruption is only copied
+                _train_with_retries(Run(seed, mode), runs_dir, data_dir)
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(trained, target)
             report(out_dir)
     return report(out_dir)
+
+
+def _train_with_retries(job: Run, runs_dir: Path, data_dir: Path) -> None:
+    for attempt in range(ATTEMPTS):
+        print(f"seed {job.seed}, {job.mode}: fine-tuning {SETTINGS.steps} steps", flush=True)
+        if _train(job, runs_dir, data_dir) == 0:
+            return
+        print(f"seed {job.seed}, {job.mode}: attempt {attempt + 1} of {ATTEMPTS} failed", flush=True)
+    raise RuntimeError(f"seed {job.seed}, {job.mode} failed {ATTEMPTS} times; its output is above")
 
 
 def _check_settings(out_dir: Path) -> None:
