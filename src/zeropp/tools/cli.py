@@ -13,24 +13,38 @@ import importlib
 import sys
 from typing import NamedTuple
 
+from zeropp.tools.extras import require
+
 
 class Command(NamedTuple):
     module: str
     add_arguments: str
     help: str
+    needs: tuple[str, ...] = ()
+    """Packages beyond the library's own that the subcommand imports."""
+    extra: str = "tools"
+    """The extra that installs them (``pip install 'zeropp[<extra>]'``)."""
+
+
+_PLOTS = ("matplotlib", "tqdm")
+"""What the benchmarks and the demo import beside the library: the ``tools`` extra."""
 
 
 COMMANDS: dict[str, Command] = {
     "demo": Command("zeropp.tools.demo", "add_arguments",
-                    "train the demo GPT on Shakespeare on local ranks, ZeRO-3 beside ZeRO++"),
-    "bench": Command("zeropp.tools.bench.cli", "add_arguments", "benchmarks that print a table and write JSON"),
-    "converge": Command("zeropp.tools.bench.converge", "add_arguments", "loss curves of every mode on Shakespeare"),
+                    "train the demo GPT on Shakespeare on local ranks, ZeRO-3 beside ZeRO++", _PLOTS),
+    "bench": Command("zeropp.tools.bench.cli", "add_arguments", "benchmarks that print a table and write JSON",
+                     _PLOTS),
+    "converge": Command("zeropp.tools.bench.converge", "add_arguments", "loss curves of every mode on Shakespeare",
+                        _PLOTS),
     "accuracy": Command("zeropp.tools.bench.accuracy", "add_arguments",
-                        "does ZeRO++ cost accuracy? paired runs against perturbation controls, with a verdict"),
+                        "does ZeRO++ cost accuracy? paired runs against perturbation controls, with a verdict",
+                        _PLOTS),
     "finetune": Command("zeropp.tools.bench.finetune", "add_arguments",
-                        "fine-tune SmolLM2-135M under ZeRO-3 and ZeRO++"),
+                        "fine-tune SmolLM2-135M under ZeRO-3 and ZeRO++", (*_PLOTS, "gguf", "transformers"),
+                        "finetune"),
     "rlhf": Command("zeropp.tools.bench.rlhf", "add_arguments",
-                    "an RLHF loop (sample, reward, REINFORCE step) under ZeRO-3 and ZeRO++"),
+                    "an RLHF loop (sample, reward, REINFORCE step) under ZeRO-3 and ZeRO++", _PLOTS),
     "plan": Command("zeropp.tools.plan.cli", "add_arguments",
                     "predict step time and memory of every mode on a cluster; recommend a configuration"),
     "checkpoint": Command("zeropp.checkpoint.tools", "add_arguments",
@@ -53,6 +67,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     for name, command in COMMANDS.items():
         sub = subparsers.add_parser(name, help=command.help, description=command.help)
         if name == chosen:
+            require(f"zeropp {name}", command.extra, *command.needs)
             getattr(importlib.import_module(command.module), command.add_arguments)(sub)
     return parser
 

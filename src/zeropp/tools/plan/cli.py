@@ -157,6 +157,10 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.calibrate or args.paper:  # they plot
+        from zeropp.tools.extras import require
+
+        require("zeropp plan --calibrate / --paper", "tools", "matplotlib")
     if args.calibrate:
         from zeropp.tools.plan import emulated
 
