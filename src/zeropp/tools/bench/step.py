@@ -192,6 +192,7 @@ def run(out_dir: str = "benchmarks/results", modes: Sequence[str] | None = None,
         jobs[bandwidth] = {"elapsed_s": result.elapsed_s, "peak_rss_mb": record["peak_rss_mb"], "steps": num_steps}
         print(format_table([r for r in rows if r["bandwidth"] == bandwidth]), flush=True)
     result = {
+        "date": time.strftime("%Y-%m-%d"),
         "machine": machine_info(torch.device("cpu")),
         "config": {**asdict(base), "num_nodes": NUM_NODES, "ranks_per_node": RANKS_PER_NODE,
                    "num_parameters": record["num_parameters"], "bandwidths": list(bandwidths),
