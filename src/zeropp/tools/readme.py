@@ -118,7 +118,8 @@ ROWS = (
         "nice -n 19 zeropp accuracy --pretrained", _accuracy, "[accuracy](#accuracy)"),
     Row("the live audit (`audit_every=100`)", "audit_cost/bench_step.json",
         "zeropp bench step --param-dtype float32 --no-memory --modes zero3,all,all_audit --bandwidths "
-        "unlimited,100mbit --out benchmarks/results/audit_cost", _audit_cost, "[audit](docs/results.md#the-live-audit)"),
+        "unlimited,100mbit --out benchmarks/results/audit_cost", _audit_cost,
+        "[audit](docs/results.md#the-live-audit)"),
     Row("generation (RLHF rollouts), 100 Mbit/s, demo GPT 4 x 256", "bench_generate.json", "zeropp bench generate",
         _generation, "[generation](docs/results.md#generation-and-rlhf-emulated-2-x-2-cluster-demo-gpt-4-x-256-fp32)"),
     Row("saving the full model, 25M GPT, 4 ranks", "save_memory/gpt25m.json",

@@ -74,7 +74,7 @@ def run(out_dir: str | Path = "benchmarks/results", *, steps: int = STEPS,
     names = [*modes, *([REFERENCE] if reference else [])]
     for i, name in enumerate(names):
         done = results["modes"].get(name)
-        if done is not None and done["zeropp_config"] == _mode_config(name, ranks_per_node):
+        if done is not None and done["zeropp_config"] == json.loads(json.dumps(_mode_config(name, ranks_per_node))):
             print(f"[{i + 1}/{len(names)}] {name}: already done (in {out_path}), skipped", flush=True)
             continue
         if done is not None:  # a mode whose settings changed since (a new default): its old run is not its run
