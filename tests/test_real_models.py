@@ -340,7 +340,7 @@ def _grouped_worker(rank: int, world_size: int) -> dict:
     fully_shard(model)
     zeropp.enable(model, zeropp.ZeroPPConfig(quantized_weights=True, unquantized_parameters=("2.*",)))
     installed = zeropp.sharded_comms(model)
-    grouped = installed.all_gathers[[i for i, u in enumerate(installed.units) if u is model[1]][0]]
+    grouped = installed.all_gathers[[i for i, group in enumerate(installed.units) if group.unit is model[1]][0]]
     return {"units": len(installed.units), "grouped_quantized": grouped.quantized,
             "grouped_is_qwz": isinstance(grouped, QuantizedAllGather)}
 

@@ -46,6 +46,7 @@ __all__ = [
     "AllGather",
     "EmptyStateDictLoadPlanner",
     "ReduceScatter",
+    "CommGroup",
     "UnitLayout",
     "all_gather_input",
     "at_backward_end",
@@ -106,7 +107,7 @@ class UnitLayout:
     gather dtype); None for a unit that owns no parameters."""
 
 
-def unit_layout(module: FSDPModule) -> UnitLayout:
+def unit_layout(module: FSDPModule | CommGroup) -> UnitLayout:
     """Read a unit's parameter layout from FSDP2 (empty for a unit that owns no parameters)."""
     param_group = _param_group(module)
     if param_group is None:
@@ -115,7 +116,7 @@ def unit_layout(module: FSDPModule) -> UnitLayout:
     post_forward = param_group.post_forward_mesh_info
     params = param_group.fsdp_params
     param_dtype = param_group.mp_policy.param_dtype
-    name_of = {id(p): name for name, p in module.named_parameters()}
+    name_of = {id(p): name for name, p in _module(module).named_parameters()}
     return UnitLayout(
         names=[name_of.get(id(p.sharded_param), "?") for p in params],
         shapes=[p.sharded_param.shape for p in params],
@@ -255,9 +256,82 @@ def all_gather_input(unit: FSDPModule) -> tuple[torch.Tensor, dist.ProcessGroup]
     return torch.cat(flat), param_group._all_gather_process_group
 
 
-def _param_group(unit: FSDPModule) -> Any:
-    """The unit's FSDP2 parameter group (None for a unit without parameters)."""
-    return unit._get_fsdp_state()._fsdp_param_group
+@dataclass(frozen=True, eq=False)
+class CommGroup:
+    """One FSDP2 parameter group of a unit: the parameters one all-gather and one reduce-scatter
+    move, over one mesh. A unit holds one, or several where ``fully_shard``'s
+    ``shard_placement_fn`` gives some of its parameters another mesh (torchtitan's routed experts
+    under expert parallelism: the experts on their own FSDP mesh, the rest of the block on the
+    data-parallel one). Every function here that takes a unit takes a group as well."""
+
+    unit: FSDPModule
+    index: int
+
+    @property
+    def param_group(self) -> Any:
+        groups = self.unit._get_fsdp_state()._fsdp_param_groups
+        return groups[self.index] if groups else None
+
+
+def comm_groups(model: nn.Module) -> Iterator[CommGroup]:
+    """Every parameter group of every unit of ``model``, units in ``fsdp_units`` order (a unit
+    without parameters gives one empty group)."""
+    for unit in fsdp_units(model):
+        for index in range(max(1, len(unit._get_fsdp_state()._fsdp_param_groups))):
+            yield CommGroup(unit, index)
+
+
+def groups_of(unit: FSDPModule) -> int:
+    """How many parameter groups ``unit`` holds (``CommGroup``)."""
+    return len(unit._get_fsdp_state()._fsdp_param_groups)
+
+
+def set_comms(group: CommGroup, all_gather: AllGather, reduce_scatter: ReduceScatter) -> None:
+    """Install a group's all-gather and reduce-scatter comms. FSDP2's public
+    ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` refuse a unit of several groups (one
+    comm for several meshes would be ambiguous); each group holds its own in FSDP2's fields."""
+    if groups_of(group.unit) <= 1:
+        group.unit.set_custom_all_gather(all_gather)
+        group.unit.set_custom_reduce_scatter(reduce_scatter)
+        return
+    group.param_group._all_gather_comm = all_gather
+    group.param_group._reduce_scatter_comm = reduce_scatter
+
+
+def _param_group(unit: FSDPModule | CommGroup) -> Any:
+    """The FSDP2 parameter group of a group, or of a unit that holds one (None for a unit without
+    parameters)."""
+    if isinstance(unit, CommGroup):
+        return unit.param_group
+    groups = unit._get_fsdp_state()._fsdp_param_groups
+    if len(groups) > 1:
+        raise ValueError(f"{type(unit).__name__} holds {len(groups)} parameter groups (a shard_placement_fn gave "
+                         "some parameters another mesh): address each through access.comm_groups")
+    return groups[0] if groups else None
+
+
+def _module(unit: FSDPModule | CommGroup) -> FSDPModule:
+    """The unit itself, or the unit a group belongs to."""
+    return unit.unit if isinstance(unit, CommGroup) else unit
+
+
+def _param_groups(units: Iterable[FSDPModule | CommGroup]) -> Iterator[Any]:
+    """Every parameter group of ``units`` (a group: itself)."""
+    for unit in units:
+        if isinstance(unit, CommGroup):
+            if unit.param_group is not None:
+                yield unit.param_group
+        else:
+            yield from unit._get_fsdp_state()._fsdp_param_groups
+
+
+def is_resharded(unit: FSDPModule) -> bool:
+    """Whether the unit holds only its primary shards (its next forward gathers them over its
+    shard group), not its whole parameters or hpZ's secondary shards; False without parameters
+    or with its shards on the host, whose forward first copies them to the device."""
+    param_group = _param_group(unit)
+    return param_group is not None and param_group.is_sharded and not any(
+        p.offload_to_cpu for p in param_group.fsdp_params)
 
 
 def offloads_to_cpu(unit: FSDPModule) -> bool:
@@ -266,11 +340,9 @@ def offloads_to_cpu(unit: FSDPModule) -> bool:
     return param_group is not None and any(p.offload_to_cpu for p in param_group.fsdp_params)
 
 
-def _fsdp_params(units: Iterable[FSDPModule]) -> Iterator[Any]:
-    for unit in units:
-        param_group = _param_group(unit)
-        if param_group is not None:
-            yield from param_group.fsdp_params
+def _fsdp_params(units: Iterable[FSDPModule | CommGroup]) -> Iterator[Any]:
+    for param_group in _param_groups(units):
+        yield from param_group.fsdp_params
 
 
 def shard_versions(units: Iterable[FSDPModule]) -> tuple[int, ...]:
@@ -369,31 +441,26 @@ def _is_placeholder(tensor: torch.Tensor | None) -> bool:
 
 def unsharded_bytes_held(units: Iterable[FSDPModule]) -> int:
     """Bytes of whole (unsharded) parameters the units hold right now, outside a forward."""
-    total = 0
-    for unit in units:
-        group = _param_group(unit)
-        if group is not None and group.is_unsharded:
-            total += sum(p._unsharded_param.numel() * p._unsharded_param.element_size() for p in group.fsdp_params)
-    return total
+    return sum(p._unsharded_param.numel() * p._unsharded_param.element_size()
+               for group in _param_groups(units) if group.is_unsharded for p in group.fsdp_params)
 
 
 def post_forward_meshes(units: Sequence[FSDPModule]) -> list[Any]:
-    """Each unit's post-forward mesh: where FSDP2 reshards it after forward (the world, hpZ's
-    node group, or None: it stays whole). ``units[0]`` must be the root: its lazy
-    initialisation runs first (FSDP2 runs it at the first forward, and it sets the root's mesh
-    to None), so the meshes read are those forwards use."""
+    """Each parameter group's post-forward mesh, the units' groups in order: where FSDP2 reshards
+    it after forward (the world, hpZ's node group, or None: it stays whole). ``units[0]`` must be
+    the root: its lazy initialisation runs first (FSDP2 runs it at the first forward, and it sets
+    the root's mesh to None), so the meshes read are those forwards use."""
     units[0]._get_fsdp_state()._lazy_init()
-    return [None if (group := _param_group(unit)) is None else group.post_forward_mesh_info for unit in units]
+    return [group.post_forward_mesh_info for group in _param_groups(units)]
 
 
-def set_post_forward_meshes(units: Iterable[FSDPModule], meshes: Iterable[Any]) -> None:
-    """Set each unit's post-forward mesh (``post_forward_meshes``); None keeps it whole after
-    forward, which ``FSDPModule.set_reshard_after_forward(False)`` also does, but that cannot
-    bring hpZ's node mesh back."""
-    for unit, mesh in zip(units, meshes, strict=True):
-        group = _param_group(unit)
-        if group is not None:
-            group.post_forward_mesh_info = mesh
+def set_post_forward_meshes(units: Iterable[FSDPModule], meshes: Sequence[Any] | None) -> None:
+    """Set each parameter group's post-forward mesh (``post_forward_meshes``); None for all keeps
+    them whole after forward, which ``FSDPModule.set_reshard_after_forward(False)`` also does, but
+    that cannot bring hpZ's node mesh back."""
+    groups = list(_param_groups(units))
+    for group, mesh in zip(groups, meshes if meshes is not None else [None] * len(groups), strict=True):
+        group.post_forward_mesh_info = mesh
 
 
 def set_unshard_async(root: FSDPModule, enabled: bool) -> None:

@@ -172,6 +172,19 @@ class CommLedger:
         key = _Key(op, group.kind, group.size, str(dtype).removeprefix("torch."), current_phase(), technique)
         self._totals[key].add(_Totals(1, sent, cross, backend_sent, backend_cross))
 
+    def record_sends(self, op: Op, group: GroupInfo, bytes_to_each: list[int], remote: list[bool], dtype: torch.dtype,
+                     technique: str, phase: str | None = None) -> None:
+        """Count one collective of uneven splits (an expert-parallel token exchange): this rank
+        sends ``bytes_to_each[i]`` to the group's i-th rank, which sits on another node where
+        ``remote[i]``. ``phase``: where it runs, when not now (the backward exchange a forward
+        implies)."""
+        if self._suspended:
+            return
+        sent = sum(bytes_to_each)
+        cross = sum(count for count, far in zip(bytes_to_each, remote) if far)
+        key = _Key(op, group.kind, group.size, str(dtype).removeprefix("torch."), phase or current_phase(), technique)
+        self._totals[key].add(_Totals(1, sent, cross, sent, cross))
+
     def step(self) -> None:
         """Mark the end of a training step (for per-step averages in ``table``)."""
         self.num_steps += 1

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -71,13 +72,73 @@ class ZeroPPParallelize:
 
     def __call__(self, model: nn.Module, **kwargs: Any) -> nn.Module:
         _check_parallelism(kwargs.get("parallelism"))
-        return enable(self.parallelize_fn(model, **kwargs), self.config)
+        model = enable(self.parallelize_fn(model, **kwargs), self.config)
+        count_token_exchanges(model, Topology.from_env())
+        return model
 
 
-_REFUSED_PARALLELISMS = ("context_parallel_degree", "pipeline_parallel_degree", "expert_parallel_degree")
-"""Parallelisms zeropp's comms are not verified with: context parallel folds into the FSDP mesh
-and shards the sequence, pipeline parallel splits the model in stages, expert parallel gives
-routed experts their own FSDP mesh."""
+EXPERT_TOKENS = "ep_tokens"
+"""The ledger's name for expert parallelism's token exchanges (torchtitan's, in the model's dtype)."""
+
+
+def count_token_exchanges(model: nn.Module, topology: Topology) -> None:
+    """[Note: expert parallelism's token exchanges]
+    Under expert parallelism each MoE layer sends every routed token to the rank holding its
+    expert and the output back (torchtitan's token dispatcher: two all-to-alls of uneven splits
+    forward, their mirror images in backward). They are torchtitan's, not zeropp's, and zeropp
+    leaves them as they are; they are counted in the ledger, under ``EXPERT_TOKENS``, so that a
+    job's cross-node bill is whole. Each forward exchange records what it sends and, when
+    autograd will run it backward, the mirror exchange backward's gradient sends (what it
+    received). The token counts' own small exchange is left out."""
+    from zeropp.fsdp.comms import group_info
+
+    for module in model.modules():
+        dispatcher = getattr(module, "token_dispatcher", None)  # an MoE layer's routed experts hold one
+        if hasattr(dispatcher, "_dispatch_token_exchange") and dispatcher not in _COUNTED:
+            for name in ("_dispatch_token_exchange", "_combine_token_exchange"):
+                setattr(dispatcher, name, _counted(getattr(dispatcher, name), dispatcher, topology, group_info))
+            _COUNTED.add(dispatcher)
+
+
+_COUNTED: weakref.WeakSet = weakref.WeakSet()
+"""Token dispatchers whose exchanges are counted already (a model enabled twice)."""
+
+
+def _counted(exchange: Callable[..., Any], dispatcher: Any, topology: Topology, group_info: Callable) -> Callable:
+    import torch
+    import torch.distributed as dist
+
+    from zeropp.fsdp.ledger import Op, comm_ledger
+
+    def counted(rows: Any, pg: Any, first_splits: list[int], second_splits: list[int]) -> Any:
+        group = dispatcher.ep_mesh.get_group()
+        ranks = dist.get_process_group_ranks(group)
+        me = dist.get_rank()
+        remote = [topology.node_of(rank) != topology.node_of(me) for rank in ranks]
+        row_bytes = rows[0].numel() * rows.element_size() if len(rows) else 0
+        sends, receives = second_splits, first_splits  # both exchanges send by their last argument
+        skip_me = [0 if rank == me else 1 for rank in ranks]
+        info = group_info(topology, group)
+        ledger = comm_ledger()
+        ledger.record_sends(Op.ALL_TO_ALL, info, [n * row_bytes * k for n, k in zip(sends, skip_me)], remote,
+                            rows.dtype, EXPERT_TOKENS)
+        if torch.is_grad_enabled() and rows.requires_grad:
+            ledger.record_sends(Op.ALL_TO_ALL, info, [n * row_bytes * k for n, k in zip(receives, skip_me)], remote,
+                                rows.dtype, EXPERT_TOKENS, phase="backward")
+        return exchange(rows, pg, first_splits, second_splits)
+
+    counted.__name__ = exchange.__name__
+    return counted
+
+
+_REFUSED_PARALLELISMS = {
+    "context_parallel_degree": "context parallel folds into the FSDP mesh (dp_shard_cp) and shards the "
+                               "sequence, which no zeropp test has run",
+    "pipeline_parallel_degree": "pipeline parallel runs each stage's units over several microbatches without "
+                                "resharding, which zeropp's comms are not verified with",
+}
+"""Parallelisms zeropp's comms are not verified with, and why (expert parallel, which gives
+routed experts their own FSDP mesh, is: each mesh's parameter group gets its comms)."""
 
 
 def _check_parallelism(parallelism: Any) -> None:
@@ -85,11 +146,11 @@ def _check_parallelism(parallelism: Any) -> None:
     replicas, on ``SPMD_BACKEND``'s meshes."""
     if parallelism is None:
         raise ValueError("ZeroPPParallelize needs torchtitan's parallelism config (keyword 'parallelism')")
-    wrong = [f"parallelism.{name}={getattr(parallelism, name)}" for name in _REFUSED_PARALLELISMS
+    wrong = [f"parallelism.{name}={getattr(parallelism, name)} ({why})" for name, why in _REFUSED_PARALLELISMS.items()
              if getattr(parallelism, name) != 1]
     if wrong:
-        raise ValueError(f"zeropp runs on FSDP2, tensor parallel and HSDP layouts only; got {', '.join(wrong)}: "
-                         "set the degree to 1")
+        raise ValueError(f"zeropp runs on FSDP2, tensor parallel, HSDP and expert parallel layouts; got "
+                         f"{'; '.join(wrong)}: set the degree to 1")
     if parallelism.spmd_backend != SPMD_BACKEND:
         raise ValueError(f"zeropp needs parallelism.spmd_backend={SPMD_BACKEND!r} (FSDP2 units on the data-parallel "
                          f"mesh alone), got {parallelism.spmd_backend!r}; with_zeropp sets it")

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zeropp.config import ZeroPPConfig
-from zeropp.fsdp.access import fsdp_units, unit_layout
+from zeropp.fsdp.access import comm_groups, unit_layout
 from zeropp.fsdp.comms import all_gather_strings
 from zeropp.setup.plan import Plan
 from zeropp.setup.topology import Topology, check_hosts, check_world_size
@@ -84,11 +84,12 @@ def units_view(model: nn.Module) -> View:
     """Each unit of a sharded model and its parameters (unsharded shape, dtype, trainable)."""
     names = {id(module): name or "the root" for name, module in model.named_modules()}
     view = []
-    for unit in fsdp_units(model):
-        layout = unit_layout(unit)
-        view.append((f"unit {names[id(unit)]}", f"{len(layout.names)} parameters, sharded over "
+    for group in comm_groups(model):  # a unit's parameter groups: one, or one per mesh
+        label = names[id(group.unit)] + (f" #{group.index}" if group.index else "")
+        layout = unit_layout(group)
+        view.append((f"unit {label}", f"{len(layout.names)} parameters, sharded over "
                      f"{layout.shard_group_size} ranks"))
-        view.extend((f"unit {names[id(unit)]} parameter {name}",
+        view.extend((f"unit {label} parameter {name}",
                      f"shape {tuple(shape)}, {dtype}, requires_grad={trainable}")
                     for name, shape, dtype, trainable in zip(layout.names, layout.shapes, layout.gather_dtypes,
                                                             layout.trainable))

@@ -33,12 +33,11 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from zeropp.config import ZeroPPConfig
 from zeropp.fsdp.access import (
     UnitLayout,
-    fsdp_units,
+    comm_groups,
     offloads_to_cpu,
     replicate_group,
     root_kept_whole_after_forward,
@@ -60,7 +59,9 @@ class UnitPlan:
     """What zeropp does to one unit (a module given to ``fully_shard``)."""
 
     name: str
-    """The unit's path in the model, "the root" for the model itself."""
+    """The unit's path in the model, "the root" for the model itself; a unit whose parameters
+    FSDP2 keeps in several groups (each on its own mesh: ``zeropp.fsdp.access.CommGroup``) has a
+    plan per group, the second named "<path> #1" and so on."""
     kind: str
     """The unit's class name."""
     layout: UnitLayout
@@ -130,19 +131,21 @@ def plan_sharded(model: nn.Module, config: ZeroPPConfig, topology: Topology) -> 
     names = {id(module): name or "the root" for name, module in model.named_modules()}
     param_names = {id(p): name for name, p in model.named_parameters()}
     units = []
-    for unit in fsdp_units(model):
-        layout = unit_layout(unit)
-        layout = dataclasses.replace(layout, names=[param_names.get(id(p), "?") for p in unit_parameters(unit)])
-        if unit is model and root_kept_whole_after_forward(unit):
+    for group in comm_groups(model):
+        layout = unit_layout(group)
+        layout = dataclasses.replace(layout, names=[param_names.get(id(p), "?") for p in unit_parameters(group)])
+        if group.unit is model and root_kept_whole_after_forward(model):
             layout = dataclasses.replace(layout, post_forward_group_size=layout.shard_group_size,
                                          kept_whole_after_forward=True)
-        replicas = replicate_group(unit)
-        units.append((names[id(unit)], type(unit).__name__, layout, shard_group_ranks(unit) or (dist.get_rank(),),
+        replicas = replicate_group(group)
+        name = names[id(group.unit)] + (f" #{group.index}" if group.index else "")
+        units.append((name, type(group.unit).__name__, layout, shard_group_ranks(group) or (dist.get_rank(),),
                       None if replicas is None else tuple(dist.get_process_group_ranks(replicas))))
     refusals = _model_refusals(model, config, topology)
     if config.offload == "cpu":
-        missing = [name or type(model).__name__ for name, unit in model.named_modules()
-                   if isinstance(unit, FSDPModule) and unit_parameters(unit) and not offloads_to_cpu(unit)]
+        module_names = {id(module): name or type(model).__name__ for name, module in model.named_modules()}
+        missing = list(dict.fromkeys(module_names[id(group.unit)] for group in comm_groups(model)
+                                     if unit_parameters(group) and not offloads_to_cpu(group)))
         if missing:
             refusals.append(f"{config.key_of('offload')}={config.offload!r}, but {', '.join(missing[:3])}"
                             f"{' and others' if len(missing) > 3 else ''} were sharded without CPU offload; "

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -24,6 +24,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from zeropp.codes.codec import ChunkCodec
 from zeropp.fsdp.access import (
+    CommGroup,
+    comm_groups,
     fsdp_units,
     in_backward,
     post_forward_meshes,
@@ -64,6 +66,7 @@ class SecondaryCopies:
 
     def __init__(self, model: nn.Module) -> None:
         self.units = list(fsdp_units(model))
+        self.groups = list(comm_groups(model))
         self.generating = 0
         """Open ``generation_mode`` contexts on this model."""
         self.copy = "node"
@@ -79,8 +82,8 @@ class SecondaryCopies:
         generating = self.generating and not torch.is_grad_enabled()
         if generating and self._reusable():
             if self._whole:
-                for unit in self.units:
-                    register_whole_parameters(unit)
+                for group in self.groups:
+                    register_whole_parameters(group)
         else:
             self.drop()
         self._keep_whole(generating and self.copy == "full")
@@ -91,12 +94,12 @@ class SecondaryCopies:
         if whole != self._whole:
             if whole:
                 self._meshes = post_forward_meshes(self.units)
-            set_post_forward_meshes(self.units, [None] * len(self.units) if whole else self._meshes)
+            set_post_forward_meshes(self.units, None if whole else self._meshes)
             self._whole = whole
 
     def after_forward(self) -> None:
-        for unit in self.units:
-            register_primary_shards(unit, whole=self._whole)
+        for group in self.groups:
+            register_primary_shards(group, whole=self._whole)
         if torch.is_grad_enabled():
             self._versions = None
         elif self.generating:
@@ -198,20 +201,26 @@ class CodedSecondaryCopy:
         return 0 if self._held is None else self._held.numel()
 
 
-_CODE_COPIES: weakref.WeakKeyDictionary[FSDPModule, CodedSecondaryCopy] = weakref.WeakKeyDictionary()
+_CODE_COPIES: weakref.WeakKeyDictionary[FSDPModule, dict[int, CodedSecondaryCopy]] = weakref.WeakKeyDictionary()
+"""Each unit's copies kept as codes, by parameter group (``access.CommGroup``)."""
 
 
-def keep_secondary_as_codes(unit: FSDPModule, row_bytes: int | None) -> CodedSecondaryCopy | None:
-    """Hold the unit's hpZ secondary copy as qwZ's payload rows of ``row_bytes`` each ([Note:
-    hpZ's copy as qwZ's codes]); None for a unit without a secondary copy, or with ``row_bytes``
-    None (its gathers are not qwZ's: FSDP2 keeps its copy)."""
+def _code_copies(units: Iterable[FSDPModule]) -> list[CodedSecondaryCopy]:
+    return [copy for unit in units for copy in _CODE_COPIES.get(unit, {}).values()]
+
+
+def keep_secondary_as_codes(unit: FSDPModule | CommGroup, row_bytes: int | None) -> CodedSecondaryCopy | None:
+    """Hold the unit's (or parameter group's) hpZ secondary copy as qwZ's payload rows of
+    ``row_bytes`` each ([Note: hpZ's copy as qwZ's codes]); None for one without a secondary
+    copy, or with ``row_bytes`` None (its gathers are not qwZ's: FSDP2 keeps its copy)."""
+    module, index = (unit.unit, unit.index) if isinstance(unit, CommGroup) else (unit, 0)
     if row_bytes is None or not has_secondary_copy(unit):
-        if _CODE_COPIES.pop(unit, None) is not None:
+        if _CODE_COPIES.get(module, {}).pop(index, None) is not None:
             then_after_forward(unit, None)
         return None
     layout = unit_layout(unit)
-    copy = _CODE_COPIES[unit] = CodedSecondaryCopy(unit, layout.shard_group_size, layout.post_forward_group_size,
-                                                   row_bytes)
+    copy = _CODE_COPIES.setdefault(module, {})[index] = CodedSecondaryCopy(
+        unit, layout.shard_group_size, layout.post_forward_group_size, row_bytes)
     return copy
 
 
@@ -220,9 +229,8 @@ def keep_decoded_secondary_copies(model: nn.Module) -> None:
     weights, in the gather dtype) instead of qwZ's codes: the same training bit for bit, at about
     2x (bf16) or 4x (fp32) the copy's memory and, unless ``quantize_intra_node_weights``, the
     backward gather's bytes. For comparisons."""
-    for unit in fsdp_units(model):
-        if (copy := _CODE_COPIES.get(unit)) is not None:
-            copy.enabled = False
+    for copy in _code_copies(fsdp_units(model)):
+        copy.enabled = False
 
 
 def keep_secondary_copies_fresh(model: nn.Module) -> None:
@@ -297,7 +305,7 @@ def held_secondary_copy_bytes(model: nn.Module) -> int:
     copies, and units kept whole by ``generation_mode(copy="full")`` (0 outside a
     forward-backward window and outside ``generation_mode``)."""
     units = list(fsdp_units(model))
-    codes = sum(copy.held_bytes for unit in units if (copy := _CODE_COPIES.get(unit)) is not None)
+    codes = sum(copy.held_bytes for copy in _code_copies(units))
     return secondary_bytes_held(units) + codes + unsharded_bytes_held(units)
 
 
@@ -321,11 +329,11 @@ def drop_secondary_copies(units: Sequence[FSDPModule]) -> None:
     forward gathers whatever was loaded."""
     for unit in units:
         unit.reshard()
-        if (copy := _CODE_COPIES.get(unit)) is not None:
-            copy.drop()
+    for copy in _code_copies(units):
+        copy.drop()
 
 
-def has_secondary_copy(unit: FSDPModule) -> bool:
+def has_secondary_copy(unit: FSDPModule | CommGroup) -> bool:
     """Whether the unit keeps a secondary copy after forward (it was sharded with hpZ)."""
     layout = unit_layout(unit)
     return layout.post_forward_group_size < layout.shard_group_size
@@ -336,8 +344,8 @@ def generation_copy_bytes(model: nn.Module, copy: str = "node") -> int:
     copy (``secondary_copy_bytes``), or every unit's parameters whole in their gather dtype."""
     if copy == "node":
         return secondary_copy_bytes(model)
-    return sum(shape.numel() * dtype.itemsize for unit in fsdp_units(model)
-               for shape, dtype in zip(unit_layout(unit).shapes, unit_layout(unit).gather_dtypes))
+    return sum(shape.numel() * dtype.itemsize for group in comm_groups(model)
+               for shape, dtype in zip(unit_layout(group).shapes, unit_layout(group).gather_dtypes))
 
 
 def secondary_copy_bytes(model: nn.Module) -> int:
@@ -346,11 +354,11 @@ def secondary_copy_bytes(model: nn.Module) -> int:
     unit whose copy is kept as qwZ's codes, its payload rows ([Note: hpZ's copy as qwZ's
     codes]). 0 without hpZ."""
     total = 0
-    for unit in fsdp_units(model):
-        layout = unit_layout(unit)
+    for group in comm_groups(model):
+        layout = unit_layout(group)
         if layout.post_forward_group_size == layout.shard_group_size:
             continue
-        if (copy := _CODE_COPIES.get(unit)) is not None and copy.enabled:
+        if (copy := _CODE_COPIES.get(group.unit, {}).get(group.index)) is not None and copy.enabled:
             total += copy.copy_bytes
             continue
         total += sum(numel // layout.post_forward_group_size * dtype.itemsize

@@ -41,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-checkpointing", action="store_true", help="keep every activation (default: recompute)")
     parser.add_argument("--modes", type=lambda text: parse_modes(text, MODES), default=("zero3", "hsdp", "qwz", "hpz",
                                                                                         "qgz", "all"))
+    parser.add_argument("--expert-parallel", type=int, default=1, metavar="E",
+                        help="an MoE model (hf:CONFIG.json with routed experts) with torchtitan's expert parallel of "
+                             "degree E: the experts sharded over their own mesh, the tokens' all-to-alls priced; "
+                             "modes with hpZ, HSDP or tensor parallel are left out")
     parser.add_argument("--offload", choices=("none", "cpu", "optimizer"), default="none",
                         help="ZeroPPConfig.offload; adds host memory and the host-device copies, their time in the "
                              "step. cpu: FSDP2's CPU offload (DeepSpeed's offload_param, with or without "
@@ -200,7 +204,10 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     from zeropp.tools.plan.table import format_record, plan_record
 
-    record = plan_record(shape, topology, workload, machine, args.modes, args.offload, not args.no_pin_memory)
+    if args.expert_parallel < 1:
+        raise ValueError(f"--expert-parallel={args.expert_parallel} must be a positive degree (1: none)")
+    record = plan_record(shape, topology, workload, machine, args.modes, args.offload, not args.no_pin_memory,
+                         args.expert_parallel)
     print(json.dumps(record, indent=2) if args.json else format_record(record))
     return 0
 

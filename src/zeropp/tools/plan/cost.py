@@ -50,6 +50,7 @@ from zeropp.tools.plan.offload import copy_seconds, step_copies
 from zeropp.tools.plan.traffic import (
     Precision,
     Transfer,
+    expert_parallel_transfers,
     offloads_shards,
     padded_numels,
     step_transfers,
@@ -154,7 +155,7 @@ def link_bytes(t: Transfer, topology: Topology, backend: str) -> tuple[float, fl
         return sent, 0.0
     if t.kind is GroupKind.INTER:  # one group per local index, all at once
         return 0.0, topology.ranks_per_node * sent
-    per_node = t.group_size // topology.num_nodes  # the world's D, or D / t of a data-parallel group
+    per_node = t.group_size // t.nodes(topology)  # the world's D, or D / t of a data-parallel group
     if t.op is Op.ALL_TO_ALL:
         remote = t.group_size - per_node
         return sent, topology.ranks_per_node * remote * t.bytes_per_peer
@@ -217,33 +218,35 @@ def sharded_parameters(model: ModelShape, config: ZeroPPConfig | None, topology:
     """Parameters one rank holds and updates (padding included), over its shard group
     (``layout.layout_for``: HSDP's inside the node; a tensor parallel rank's 1/t)."""
     layout = layout_for(config, layout)
-    shard_size = layout.shard_group(topology).world_size
-    return sum(sum(padded_numels(unit, shard_size)) for unit in layout.local_units(model)) / shard_size
+    return sum(sum(padded_numels(part, shard.world_size)) / shard.world_size
+               for unit in layout.local_units(model) for part, shard in layout.parts(unit, topology))
 
 
 def step_time(model: ModelShape, config: ZeroPPConfig | None, topology: Topology, workload: Workload,
               machine: Machine, layout: Layout | None = None) -> StepTime:
     """One training step of ``model`` in a mode (``config``; None for FSDP2's own, ``layout``:
-    see ``layout.layout_for``) on ``machine``. Tensor parallel's all-reduces run between its
-    products, in the compute's own time: they add to it ([Note: overlap])."""
+    see ``layout.layout_for``) on ``machine``. Tensor parallel's all-reduces and expert
+    parallel's token exchanges run between its products, in the compute's own time: they add to
+    it ([Note: overlap])."""
     layout = layout_for(config, layout)
     per_unit = [[t for t in unit if not t.background] for unit in step_transfers(model, config, topology,
                                                                                     workload.precision, layout)]
     compute = unit_compute_s(model, workload, machine)
     comm = [{phase: sum(transfer_seconds(t, topology, machine) for t in unit if _phase(t) == phase)
              for phase in ("forward_gather", "backward_gather", "reduce")} for unit in per_unit]
+    sizes = (workload.batch_per_rank, workload.context_length, workload.activation_checkpointing)
+    between_products = [[*tp, *ep] for tp, ep in zip(  # tensor parallel's all-reduces, expert parallel's tokens
+        tensor_parallel_transfers(model, topology, layout, workload.precision, *sizes),
+        expert_parallel_transfers(model, topology, layout, workload.precision, *sizes), strict=True)]
     tensor_parallel = [{phase: sum(transfer_seconds(t, topology, machine) for t in unit if t.phase == phase)
-                        for phase in ("forward", "backward")}
-                       for unit in tensor_parallel_transfers(model, topology, layout, workload.precision,
-                                                             workload.batch_per_rank, workload.context_length,
-                                                             workload.activation_checkpointing)]
+                        for phase in ("forward", "backward")} for unit in between_products]
     total_comm = sum(sum(c.values()) for c in comm) + sum(sum(c.values()) for c in tensor_parallel)
     host_copy, pageable = _add_host_copies(comm, model, config, topology, machine)
     idle = {"forward_gather": 0.0, "backward_gather": 0.0, "reduce": 0.0}
     comm += [idle] * (len(compute) - len(comm))
     compute += [0.0] * (len(comm) - len(compute))
     tensor_parallel += [{"forward": 0.0, "backward": 0.0}] * (len(compute) - len(tensor_parallel))
-    cross = sum(transfer_seconds(t, topology, machine) for unit in per_unit for t in unit
+    cross = sum(transfer_seconds(t, topology, machine) for unit in [*per_unit, *between_products] for t in unit
                 if link_bytes(t, topology, machine.backend)[1] > 0)
     forward_share = (1 / 4) if workload.activation_checkpointing else (1 / 3)
     forward = [c * forward_share + tp["forward"] for c, tp in zip(compute, tensor_parallel)]

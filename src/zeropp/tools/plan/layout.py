@@ -43,6 +43,22 @@ every mode it trains t x ``Workload.batch_per_rank`` of them: its ranks compute 
 1-D rank (each matrix product split t ways over t times the tokens), and hold activations for t
 times the sequences, of which the split layers keep 1/t (``ModelShape.block_activation_bytes``).
 Its own collectives are all-reduces inside the node (``traffic.tensor_parallel_transfers``).
+
+[Note: expert parallel in the plan]
+torchtitan's expert parallel of degree e (dividing the world) on W = N x D ranks, FSDP over
+the whole world: the EP groups are e consecutive ranks (inside a node when e divides D), each
+holding E / e of a layer's E routed experts; FSDP2 shards those over the W / e ranks of one EP
+index (``dp_shard_mod_ep``: D / e ranks on each of the N nodes when e divides D, else one rank on
+each of W / e nodes), and the rest of each block over the world, as two parameter groups of
+one unit, each with its own gather and reduce-scatter (``Layout.parts``; on dim 1 where the
+group outnumbers a rank's experts, as torchtitan's ``shard_placement_fn`` does). Each MoE layer sends
+every token's top-k routed copies to the ranks holding their experts and the outputs back:
+two all-to-alls over the EP group forward and two backward (two more with activation
+checkpointing), in the gather dtype, routing taken as uniform (``traffic.expert_parallel_transfers``);
+they run between the layer's products, in its compute's time, as tensor parallel's all-reduces
+do. Not priced with tensor parallel, HSDP or hpZ (hpZ's copy of the experts needs several of
+their group's ranks on a node; zeropp refuses it where a node holds one), nor the token
+buffers' memory.
 """
 
 from __future__ import annotations
@@ -68,16 +84,67 @@ class Layout:
     hsdp: bool = False
     """FSDP2's hybrid sharding: each unit sharded over its data-parallel ranks on one node,
     replicated across the nodes, the reduced gradient shards reduced across the replicas."""
+    expert_parallel: int = 1
+    """Expert parallel degree e: the routed experts sharded over their own mesh ([Note: expert
+    parallel in the plan]). 1: none."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.tensor_parallel, bool) or not isinstance(self.tensor_parallel, int) \
-                or self.tensor_parallel < 1:
-            raise ValueError(f"Layout.tensor_parallel must be a positive int, got {self.tensor_parallel!r}")
+        for name in ("tensor_parallel", "expert_parallel"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Layout.{name} must be a positive int, got {value!r}")
+        if self.expert_parallel > 1 and (self.tensor_parallel > 1 or self.hsdp):
+            raise ValueError(f"Layout.expert_parallel={self.expert_parallel} is priced over FSDP on the whole world "
+                             f"only, not with tensor_parallel={self.tensor_parallel} or hsdp={self.hsdp}")
 
     @property
     def is_one_dimensional(self) -> bool:
-        """Every unit sharded over the whole world (no tensor parallel, no replicas)."""
-        return self.tensor_parallel == 1 and not self.hsdp
+        """Every unit sharded over the whole world (no tensor parallel, no replicas, no experts' mesh)."""
+        return self.tensor_parallel == 1 and not self.hsdp and self.expert_parallel == 1
+
+    def expert_group(self, topology: Topology) -> Topology:
+        """The ranks the routed experts are sharded over, as placed on nodes ([Note: expert
+        parallel in the plan])."""
+        e, world, per_node = self.expert_parallel, topology.world_size, topology.ranks_per_node
+        if world % e:
+            raise ValueError(f"Layout.expert_parallel={e} must divide the {world} ranks")
+        if per_node % e == 0:
+            return Topology(num_nodes=topology.num_nodes, ranks_per_node=per_node // e)
+        if e % per_node == 0:
+            return Topology(num_nodes=world // e, ranks_per_node=1)
+        raise ValueError(f"Layout.expert_parallel={e} must divide the {per_node} ranks per node or be a multiple "
+                         "of them")
+
+    def parts(self, unit: UnitShape, topology: Topology) -> list[tuple[UnitShape, Topology]]:
+        """``unit`` as the parameter groups FSDP2 keeps for it, each with the ranks it is sharded
+        over: the unit itself, or under expert parallel its experts (E / e of them, on
+        ``expert_group``) apart from the rest (on the world)."""
+        shard = self.shard_group(topology)
+        if self.expert_parallel == 1 or not any(unit.experts):
+            return [(unit, shard)]
+        rest = [i for i, expert in enumerate(unit.experts) if not expert]
+        experts = [i for i, expert in enumerate(unit.experts) if expert]
+        for i in experts:
+            if unit.shapes[i][0] % self.expert_parallel:
+                raise ValueError(f"Layout.expert_parallel={self.expert_parallel} must divide the "
+                                 f"{unit.shapes[i][0]} experts of {unit.name}")
+        group = self.expert_group(topology)
+        local = [(unit.shapes[i][0] // self.expert_parallel, *unit.shapes[i][1:]) for i in experts]
+        # torchtitan shards the experts on dim 1 where its group outnumbers them (no padded dim 0):
+        # the same elements, padded along dim 1, written here with that dim first
+        local = [(s[1], s[0], *s[2:]) if group.world_size > s[0] and len(s) > 1 else s for s in local]
+        dense = replace(unit, shapes=tuple(unit.shapes[i] for i in rest),
+                        trainable=tuple(unit.trainable[i] for i in rest), experts=())
+        routed = UnitShape(f"{unit.name} experts", tuple(tuple(s) for s in local),
+                           tuple(unit.trainable[i] for i in experts), is_block=False,
+                           experts=(True,) * len(experts))
+        return [(dense, shard), (routed, group)]
+
+    def part_index(self, rank: int, topology: Topology, part: UnitShape) -> int:
+        """``rank``'s index in ``part``'s shard group (``parts``)."""
+        if any(part.experts) and self.expert_parallel > 1:
+            return rank // self.expert_parallel
+        return self.shard_index(rank, topology)
 
     def shard_group(self, topology: Topology) -> Topology:
         """The ranks a unit is sharded over (its gathers' and reduce-scatter's group), as placed
@@ -128,6 +195,9 @@ def layout_for(config: ZeroPPConfig | None, layout: Layout | None = None) -> Lay
         return Layout(hsdp=config is None or config.quantized_replica_gradients)
     if config is None or layout.is_one_dimensional and not config.quantized_replica_gradients:
         return layout
+    if config.hpz_partition_size > 1 and layout.expert_parallel > 1:
+        raise ValueError(f"hpz_partition_size={config.hpz_partition_size} with expert parallel is not priced "
+                         "(the experts' copy needs several of their group's ranks on a node): set hpz_partition_size=1")
     if config.hpz_partition_size > 1 and not layout.is_one_dimensional:
         raise ValueError(f"hpz_partition_size={config.hpz_partition_size} needs every unit sharded over the whole "
                          f"world; {layout} shards them over a sub-mesh: set hpz_partition_size=1")

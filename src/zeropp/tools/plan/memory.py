@@ -69,8 +69,9 @@ temporaries while the rows are cut.
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -230,11 +231,29 @@ def unit_bytes(unit: UnitShape, model: ModelShape, config: ZeroPPConfig | None, 
     unless ``layout`` says otherwise, ``layout.layout_for``); ``tokens``: (batch, context) per
     rank, a tensor parallel group training t x batch sequences; ``last``: it computes the loss."""
     layout = layout_for(config, layout)
-    shard = layout.shard_group(topology)
+    parts = [_part_bytes(part, shard, layout.part_index(rank, topology, part), model, config, topology, precision,
+                         tokens, last and i == 0, checkpointing, layout)
+             for i, (part, shard) in enumerate(layout.parts(unit, topology))]
+    return functools.reduce(_both_groups, parts)
+
+
+def _both_groups(first: UnitBytes, second: UnitBytes) -> UnitBytes:
+    """A unit of two parameter groups (expert parallel's experts beside the rest of the block):
+    both held and both gathered together; what the unit computes and saves is the first's; the
+    groups reduce one after the other."""
+    kept = ("name", "activations", "recompute", "loss", "loss_gradients")
+    summed = {f.name: getattr(first, f.name) + getattr(second, f.name) for f in fields(UnitBytes) if f.name not in kept}
+    return replace(first, **{**summed, "reducing": max(first.reducing, second.reducing),
+                             "largest_local": max(first.largest_local, second.largest_local)})
+
+
+def _part_bytes(unit: UnitShape, shard: Topology, index: int, model: ModelShape, config: ZeroPPConfig | None,
+                topology: Topology, precision: Precision, tokens: tuple[int, int], last: bool, checkpointing: bool,
+                layout: Layout) -> UnitBytes:
+    """``unit_bytes`` of one parameter group, sharded over ``shard``, this rank ``index`` in it."""
     shard_size, replicas, degree = shard.world_size, layout.num_replicas(topology), layout.tensor_parallel
     padded = padded_numels(unit, shard_size)
     gather_dtype, reduce_size = precision.gather_dtype, precision.reduce_dtype.itemsize
-    index = layout.shard_index(rank, topology)
     local = [local_rows(shape[0], shard_size, index) * math.prod(shape[1:]) for shape in unit.shapes]
     trainable = [n for n, t in zip(padded, unit.trainable) if t]
     quantize = gathered_quantized(unit, config, topology, shard)

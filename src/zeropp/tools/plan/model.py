@@ -31,6 +31,10 @@ class UnitShape:
     and the input's together and the input's triggers the post-backward; an embedding's input
     (token ids) needs none, so its post-backward runs from FSDP2's final callback, with the
     gradient still on the parameter."""
+    experts: tuple[bool, ...] = ()
+    """Per parameter: a routed expert's (dim 0 one row per expert, under a module named
+    ``experts``), which expert parallelism shards over its own mesh ([Note: expert parallel in
+    the plan] in ``zeropp.tools.plan.layout``); empty for a unit without."""
 
     @property
     def num_parameters(self) -> int:
@@ -57,16 +61,35 @@ class ModelShape:
     """The MLP's inner width (Llama); GPT's is 4 x ``embed_dim``."""
     num_kv_heads: int = 0
     """Key and value heads (Llama's grouped-query attention); GPT has ``num_heads``."""
+    num_experts: int = 0
+    """Routed experts per MoE layer (0: a dense model)."""
+    experts_per_token: int = 0
+    """Experts each token is routed to (top-k)."""
 
     @property
     def num_parameters(self) -> int:
         return sum(unit.num_parameters for unit in self.units) + self.num_trainable_scalars
 
+    @property
+    def expert_parameters(self) -> int:
+        """The routed experts' parameters, all layers."""
+        return sum(math.prod(shape) for unit in self.units for shape, expert in zip(unit.shapes, unit.experts)
+                   if expert)
+
+    @property
+    def active_parameters(self) -> int:
+        """Parameters one token's forward multiplies by: all but the experts it is not routed to."""
+        if not self.num_experts:
+            return self.num_parameters
+        unused = self.expert_parameters * (self.num_experts - self.experts_per_token) / self.num_experts
+        return self.num_parameters - round(unused)
+
     def training_flops_per_token(self, context_length: int) -> float:
-        """Forward and backward FLOPs per token: 6 per parameter (a multiply-add forward, two
-        backward) plus attention's scores and weighted sums, 12 x layers x width x context
-        (Kaplan et al. 2020, section 2.1; Narayanan et al. 2021, appendix)."""
-        return 6.0 * self.num_parameters + 12.0 * self.num_layers * self.embed_dim * context_length
+        """Forward and backward FLOPs per token: 6 per parameter the token meets (a multiply-add
+        forward, two backward; an MoE's routed experts only top-k of E) plus attention's scores
+        and weighted sums, 12 x layers x width x context (Kaplan et al. 2020, section 2.1;
+        Narayanan et al. 2021, appendix)."""
+        return 6.0 * self.active_parameters + 12.0 * self.num_layers * self.embed_dim * context_length
 
     def activation_bytes(self, batch: int, context_length: int, checkpointing: bool, itemsize: int = 2) -> float:
         """Activations a rank holds for backward with 16-bit compute (Korthikanti et al. 2022,
@@ -118,12 +141,15 @@ def from_module(model: nn.Module, units: list[nn.Module] | None = None, *, name:
     claimed: set[int] = set()
     shapes = []
     for unit in [*select_units(model, units), model]:
-        params = [p for p in unit.parameters() if id(p) not in claimed and p.dim() > 0]
+        named = [(name, p) for name, p in unit.named_parameters() if id(p) not in claimed and p.dim() > 0]
+        params = [p for _, p in named]
         claimed.update(id(p) for p in params)
         label = type(unit).__name__ if unit is not model else f"{type(model).__name__} (root)"
         single = unit is not model and not any(p.numel() for child in unit.children() for p in child.parameters())
+        experts = tuple("experts" in name.split(".")[:-1] for name, _ in named)
         shapes.append(UnitShape(label, tuple(tuple(p.shape) for p in params), tuple(p.requires_grad for p in params),
-                                is_block=unit is not model and type(unit) in block_types, is_single_layer=single))
+                                is_block=unit is not model and type(unit) in block_types, is_single_layer=single,
+                                experts=experts if any(experts) else ()))
     blocks, root = shapes[:-1][::-1], shapes[-1]
     scalars = sum(1 for p in model.parameters() if p.dim() == 0 and p.requires_grad)
     return ModelShape(name=name, units=(*blocks, root), num_layers=num_layers, embed_dim=embed_dim,
@@ -157,17 +183,25 @@ def hf(config: Any, name: str | None = None) -> ModelShape:
     return hf_module(model, name=name)
 
 
-LLAMA_LAYOUTS = ("llama", "mistral", "qwen2")
-"""Hugging Face model types whose blocks are Llama's (RMSNorm, grouped-query attention, SwiGLU)."""
+LLAMA_LAYOUTS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+"""Hugging Face model types whose blocks are Llama's (RMSNorm, grouped-query attention, SwiGLU;
+an MoE's routed SwiGLU experts in place of the MLP)."""
 
 
 def hf_module(model: nn.Module, units: list[nn.Module] | None = None, name: str | None = None) -> ModelShape:
     """A Hugging Face causal LM (on the meta device or not), sharded in ``units`` (default: its
-    decoder layers, as ``zeropp.shard`` picks them)."""
+    decoder layers, as ``zeropp.shard`` picks them). An MoE's activations count each token's
+    top-k experts' inner width as its MLP's."""
     config = model.config
     llama = config.model_type in LLAMA_LAYOUTS
-    dims = {"architecture": "llama", "ffn_dim": config.intermediate_size,
-            "num_kv_heads": config.num_key_value_heads} if llama else {}
+    num_experts = getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0) or 0
+    top_k = getattr(config, "num_experts_per_tok", 0) or 0 if num_experts else 0
+    ffn = config.moe_intermediate_size * top_k if num_experts and hasattr(config, "moe_intermediate_size") \
+        else getattr(config, "intermediate_size", 0)
+    dims: dict[str, Any] = {"architecture": "llama", "ffn_dim": ffn,
+                            "num_kv_heads": config.num_key_value_heads} if llama else {}
+    if num_experts:
+        dims.update(num_experts=num_experts, experts_per_token=top_k)
     return from_module(model, units, name=name or type(model).__name__, num_layers=config.num_hidden_layers,
                        embed_dim=config.hidden_size, num_heads=config.num_attention_heads,
                        vocab_size=config.vocab_size, **dims)

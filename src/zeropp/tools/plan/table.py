@@ -13,27 +13,34 @@ from zeropp.config import ZeroPPConfig
 from zeropp.setup.topology import Topology
 from zeropp.tools.modes import MODES, Mode, System
 from zeropp.tools.plan.cost import Machine, Workload, cross_node_bytes_per_node, memory, step_time
-from zeropp.tools.plan.layout import Layout
+from zeropp.tools.plan.layout import Layout, layout_for
 from zeropp.tools.plan.model import ModelShape
 from zeropp.tools.plan.offload import host_memory, step_copies
-from zeropp.tools.plan.traffic import step_transfers
+from zeropp.tools.plan.traffic import expert_parallel_transfers, step_transfers
 
 
-def mode_layout(mode: Mode) -> Layout:
-    """The layout ``mode`` trains on: HSDP's, its tensor parallel degree's, or 1-D."""
+def mode_layout(mode: Mode, expert_parallel: int = 1) -> Layout | None:
+    """The layout ``mode`` trains on: HSDP's, its tensor parallel degree's, or 1-D; with
+    ``expert_parallel`` the experts on their own mesh, None for a mode that cannot have it
+    priced (HSDP, tensor parallel, hpZ: [Note: expert parallel in the plan])."""
+    if expert_parallel > 1:
+        if mode.system is System.HSDP or mode.tensor_parallel > 1 or mode.hpz:
+            return None
+        return Layout(expert_parallel=expert_parallel)
     return Layout(tensor_parallel=mode.tensor_parallel, hsdp=mode.system is System.HSDP)
 
 
 def mode_configs(modes: tuple[str, ...], ranks_per_node: int, offload: str = "none",
-                 pin_memory: bool = True) -> dict[str, tuple[ZeroPPConfig | None, Layout]]:
+                 pin_memory: bool = True, expert_parallel: int = 1) -> dict[str, tuple[ZeroPPConfig | None, Layout]]:
     """The configurations to price by mode name, with their layouts: zeropp's 1-D ones with
     ``offload`` (``ZeroPPConfig.offload``); the 2-D ones only without offload: FSDP2's own HSDP
-    (config None), HSDP with zeropp's options, tensor parallel x FSDP; DeepSpeed's never."""
+    (config None), HSDP with zeropp's options, tensor parallel x FSDP; with ``expert_parallel``
+    those without hpZ on the experts' layout, without offload; DeepSpeed's never."""
     configs: dict[str, tuple[ZeroPPConfig | None, Layout]] = {}
     for name in modes:
         mode = MODES[name]
-        layout = mode_layout(mode)
-        if mode.system is System.DEEPSPEED or (offload != "none" and not layout.is_one_dimensional):
+        layout = mode_layout(mode, expert_parallel)
+        if mode.system is System.DEEPSPEED or layout is None or (offload != "none" and not layout.is_one_dimensional):
             continue
         if layout.is_one_dimensional:
             configs[name] = (mode.config(ranks_per_node, offload=offload, offload_pin_memory=pin_memory), layout)
@@ -48,7 +55,11 @@ def mode_row(name: str, shape: ModelShape, config: ZeroPPConfig | None, topology
     """One mode's predictions on rank 0: seconds, and bytes per rank (cross-node: per node);
     ``layout``: see ``zeropp.tools.plan.layout.layout_for``."""
     step = step_time(shape, config, topology, workload, machine, layout)
-    transfers = [t for unit in step_transfers(shape, config, topology, workload.precision, layout) for t in unit]
+    tokens = expert_parallel_transfers(shape, topology, layout_for(config, layout), workload.precision,
+                                       workload.batch_per_rank, workload.context_length,
+                                       workload.activation_checkpointing)
+    transfers = [t for unit in [*step_transfers(shape, config, topology, workload.precision, layout), *tokens]
+                 for t in unit]
     device = memory(shape, config, topology, workload, layout=layout)
     host = host_memory(shape, config, topology)
     copies = step_copies(shape, config, topology)
@@ -63,14 +74,21 @@ def mode_row(name: str, shape: ModelShape, config: ZeroPPConfig | None, topology
 
 
 def plan_record(shape: ModelShape, topology: Topology, workload: Workload, machine: Machine, modes: tuple[str, ...],
-                offload: str = "none", pin_memory: bool = True) -> dict[str, Any]:
+                offload: str = "none", pin_memory: bool = True, expert_parallel: int = 1) -> dict[str, Any]:
     """Every mode's row, and what they were priced on; ``speedup_vs_zero3`` is against ZeRO-3
-    with the same offload. ``offload_pin_memory`` says whether the host memory priced is pinned:
-    ``pin_memory`` but with ``offload="optimizer"``, whose host tensors are pageable."""
-    configs = mode_configs(modes, topology.ranks_per_node, offload, pin_memory)
-    zero3, _ = mode_configs(("zero3",), topology.ranks_per_node, offload, pin_memory)["zero3"]
-    baseline_s = step_time(shape, zero3, topology, workload, machine).step_s
-    return {"model": shape.name, "num_parameters": shape.num_parameters, "gpus": topology.world_size,
+    with the same offload (and expert parallel). ``offload_pin_memory`` says whether the host
+    memory priced is pinned: ``pin_memory`` but with ``offload="optimizer"``, whose host tensors
+    are pageable."""
+    if expert_parallel > 1 and not shape.num_experts:
+        raise ValueError(f"--expert-parallel={expert_parallel}: {shape.name} has no routed experts")
+    if expert_parallel > 1 and offload != "none":
+        raise ValueError(f"--expert-parallel={expert_parallel} is priced without offload, not --offload={offload}")
+    configs = mode_configs(modes, topology.ranks_per_node, offload, pin_memory, expert_parallel)
+    zero3, zero3_layout = mode_configs(("zero3",), topology.ranks_per_node, offload, pin_memory,
+                                       expert_parallel)["zero3"]
+    baseline_s = step_time(shape, zero3, topology, workload, machine, zero3_layout).step_s
+    return {"model": shape.name, "num_parameters": shape.num_parameters, "active_parameters": shape.active_parameters,
+            "expert_parallel": expert_parallel, "gpus": topology.world_size,
             "num_nodes": topology.num_nodes, "gpus_per_node": topology.ranks_per_node, "machine": machine.name,
             "batch_per_gpu": workload.batch_per_rank, "context": workload.context_length,
             "activation_checkpointing": workload.activation_checkpointing, "offload": offload,
@@ -88,6 +106,9 @@ def format_record(record: dict[str, Any]) -> str:
     width = max([10, *(len(row["mode"]) + 1 for row in record["modes"])])
     head = (f"{record['model']}: {record['num_parameters'] / 1e9:.2f}B parameters on {record['gpus']} GPUs "
             f"({record['num_nodes']} nodes x {record['gpus_per_node']}), {record['machine']}")
+    if record.get("expert_parallel", 1) > 1:
+        head += (f"; {record['active_parameters'] / 1e9:.2f}B active per token, expert parallel "
+                 f"{record['expert_parallel']}")
     columns = (f"{'mode':<{width}}{'step s':>9}{'x zero3':>8}{'compute s':>10}{'exposed s':>10}{'x-node GB/node':>15}"
                f"{'device GB' if offload else 'memory GB':>10}")
     if offload:
@@ -104,6 +125,8 @@ def format_record(record: dict[str, Any]) -> str:
             line += (f"{row['host_memory']['total'] / 1e9:>9.1f}{row['host_to_device_bytes'] / 1e9:>9.2f}"
                      f"{row['device_to_host_bytes'] / 1e9:>9.2f}{row['host_copy_s']:>8.3f}")
         lines.append(line)
-    if record["left_out"]:
+    if record["left_out"] and record.get("expert_parallel", 1) > 1:
+        lines.append(f"not priced with expert parallel: {', '.join(record['left_out'])} (HSDP, tensor parallel, hpZ)")
+    elif record["left_out"]:
         lines.append(f"not priced with offload: {', '.join(record['left_out'])} (2-D layouts: HSDP, tensor parallel)")
     return "\n".join(lines)

@@ -71,6 +71,13 @@ class Transfer:
     background: bool = False
     """Started asynchronously and waited for only when its result is used, with a few bytes:
     counted in the ledger, given no time by the cost model (``zeropp.fsdp.unused``'s exchange)."""
+    span: int = 0
+    """The nodes each of its groups spans; 0: every node (a group of ``GroupKind.INTER`` or
+    ``MIXED`` that does not, such as expert parallel's experts' shard group or its token
+    exchange across two nodes of many, says how many)."""
+
+    def nodes(self, topology: Topology) -> int:
+        return self.span or topology.num_nodes
 
     @property
     def factor(self) -> int:
@@ -105,13 +112,19 @@ def unit_transfers(unit: UnitShape, config: ZeroPPConfig | None, topology: Topol
     if not unit.shapes:
         return []
     layout = layout_for(config, layout)
-    shard = layout.shard_group(topology)
-    padded = padded_numels(unit, shard.world_size)
     fsdp = config if config is not None else FSDP2_OWN
-    transfers = [*_gathers(unit, padded, fsdp, topology, shard, precision),
-                 *_reduce(unit, padded, fsdp, topology, shard, precision),
-                 *_replicas(unit, padded, config, topology, layout, precision)]
-    return transfers if config is None else [*transfers, *_presence(unit, topology)]
+    transfers = []
+    for part, shard in layout.parts(unit, topology):  # one per parameter group (expert parallel: two)
+        padded = padded_numels(part, shard.world_size)
+        collectives = [*_gathers(part, padded, fsdp, topology, shard, precision),
+                       *_reduce(part, padded, fsdp, topology, shard, precision)]
+        if layout.expert_parallel > 1 and shard.num_nodes < topology.num_nodes:  # the experts' group, on some nodes
+            collectives = [t if t.kind in (GroupKind.INTRA, GroupKind.WORLD) else replace(t, span=shard.num_nodes)
+                           for t in collectives]
+        transfers += [*collectives, *_replicas(part, padded, config, topology, layout, precision)]
+        if config is not None:
+            transfers += _presence(part, topology)
+    return transfers
 
 
 def shard_kind(topology: Topology, shard: Topology) -> GroupKind:
@@ -306,7 +319,7 @@ def _replicas(unit: UnitShape, padded: list[int], config: ZeroPPConfig | None, t
     """HSDP: the reduced shard reduced across the replicas (one rank per node): FSDP2's
     all-reduce in the reduce dtype, or with ``quantized_replica_gradients`` an all-to-all of the
     rows owed to the other replicas and an all-gather of the reduced rows, both coded."""
-    replicas, size = layout.num_replicas(topology), layout.shard_group(topology).world_size
+    replicas, size = layout.num_replicas(topology), layout.shard_group(topology).world_size  # HSDP: no experts' mesh
     chunks = [numel // size for numel, t in zip(padded, unit.trainable) if t]
     if replicas == 1 or not sum(chunks):
         return []
@@ -365,6 +378,26 @@ def tensor_parallel_transfers(model: ModelShape, topology: Topology, layout: Lay
     return per_unit
 
 
+def expert_parallel_transfers(model: ModelShape, topology: Topology, layout: Layout, precision: Precision,
+                              batch: int, context_length: int, checkpointing: bool = False) -> list[list[Transfer]]:
+    """Expert parallel's token exchanges per unit in one step (``model.units`` order; none
+    without it), [Note: expert parallel in the plan]: per MoE block, every token's top-k copies
+    to the experts' ranks and back, in the gather dtype, a 1/e share to each rank of the EP group
+    (uniform routing); two all-to-alls forward, two backward, two more recomputed."""
+    degree = layout.expert_parallel
+    if degree == 1:
+        return [[] for _ in model.units]
+    ep = Topology(num_nodes=max(1, degree // topology.ranks_per_node),
+                  ranks_per_node=min(degree, topology.ranks_per_node))
+    kind = group_kind(topology, ep.num_nodes, ep.ranks_per_node)
+    routed = batch * context_length * model.experts_per_token * model.embed_dim * precision.gather_dtype.itemsize
+    exchange = Transfer(Op.ALL_TO_ALL, kind, degree, routed // degree, "forward", "ep_tokens",
+                        _dtype_name(precision.gather_dtype), span=ep.num_nodes if kind is not GroupKind.INTRA else 0)
+    backward = replace(exchange, phase="backward")
+    block = [exchange] * 2 + [backward] * (4 if checkpointing else 2)
+    return [block if any(unit.experts) else [] for unit in model.units]
+
+
 def ranks_sending_across(t: Transfer, topology: Topology) -> int:
     """How many of the world's ranks have, in their group of ``t``'s kind, a ring successor on
     another node (gloo's rings run in rank order): one per node in each group that spans nodes
@@ -373,7 +406,7 @@ def ranks_sending_across(t: Transfer, topology: Topology) -> int:
     group) spans every node, the same number on each."""
     if topology.num_nodes == 1 or t.kind is GroupKind.INTRA:
         return 0
-    return topology.world_size // t.group_size * topology.num_nodes
+    return topology.world_size // t.group_size * t.nodes(topology)
 
 
 def ledger_counts(transfers: Sequence[Transfer], topology: Topology, backend: str = "gloo") -> dict[str, int]:
@@ -383,7 +416,7 @@ def ledger_counts(transfers: Sequence[Transfer], topology: Topology, backend: st
     for t in transfers:  # every rank sends the same in each of them (no broadcast in a step)
         sent = t.factor * t.bytes_per_peer * (t.group_size - 1)
         remote = {GroupKind.INTRA: 0, GroupKind.INTER: t.group_size - 1}.get(
-            t.kind, t.group_size - t.group_size // topology.num_nodes)  # world, mixed: every node, as many on each
+            t.kind, t.group_size - t.group_size // t.nodes(topology))  # world, mixed: its nodes, as many on each
         cross = t.factor * t.bytes_per_peer * remote
         totals["calls"] += world
         totals["bytes"] += world * sent
