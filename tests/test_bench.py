@@ -261,3 +261,19 @@ def test_step_rows_of_a_peer_without_a_ledger() -> None:
     assert peer["ratio_vs_zero3"] == 1.5 and peer["cross_node_bytes_wire"] == 300.0
     table = step.format_table([zero3, peer])
     assert "deepspeed" in table and "n/a" in table.splitlines()[-1]
+
+
+def test_a_limited_rows_floor_is_its_link_time_or_its_unlimited_step() -> None:
+    """The floor at 100 Mbit/s (12.5 MB/s per node link, 2 nodes): 54.9 MB on the wire is 2.196 s,
+    longer than the 1.5 s step with no limit; 10 MB is 0.4 s, so the unlimited step sets it."""
+    from zeropp.tools.bench.step import add_floors
+
+    rows = [{"mode": "all", "bandwidth": "unlimited", "median_step_s": 1.5, "cross_node_bytes_wire": 54.9e6},
+            {"mode": "all", "bandwidth": "100mbit", "median_step_s": 3.79, "cross_node_bytes_wire": 54.9e6},
+            {"mode": "qgz", "bandwidth": "unlimited", "median_step_s": 1.5, "cross_node_bytes_wire": 10e6},
+            {"mode": "qgz", "bandwidth": "100mbit", "median_step_s": 3.0, "cross_node_bytes_wire": 10e6},
+            {"mode": "hpz", "bandwidth": "100mbit", "median_step_s": 3.0, "cross_node_bytes_wire": 10e6}]
+    add_floors(rows, num_nodes=2)
+    assert rows[0]["floor_s"] is None and rows[4]["floor_s"] is None  # no limit; no unlimited row of hpz
+    assert rows[1]["floor_s"] == pytest.approx(2.196) and rows[1]["over_floor"] == pytest.approx(3.79 / 2.196)
+    assert rows[3]["floor_s"] == 1.5 and rows[3]["over_floor"] == 2.0

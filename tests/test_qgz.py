@@ -423,10 +423,11 @@ def _sliced_worker(rank: int, world_size: int) -> list[dict]:
 
 @pytest.mark.parametrize("world_size", [pytest.param(w, marks=[pytest.mark.slow] * (w > 4)) for w in sorted(LAYOUTS)])
 def test_slices_give_the_unsliced_gradients_bit_for_bit(world_size: int) -> None:
-    """qgZ over column slices of a few blocks ([Note: qgZ slices]) against the same comm in one
-    slice, on the layouts 1x4, 4x1, 2x2, 2x3, 3x2, 2x4: INT4/INT4, INT8/INT4, normal levels with
-    8-bit block scales, rotation with normal levels, a spared parameter, error feedback over two
-    calls; fp32 with AVG and bf16 with SUM. Every output is equal bit for bit, and every case did
+    """qgZ over column slices of a few blocks, run as a pipeline ([Note: qgZ slices], [Note: qgZ
+    slices in a pipeline]), against the same comm in one slice, on the layouts 1x4, 4x1, 2x2,
+    2x3, 3x2, 2x4: INT4/INT4, INT8/INT4, normal levels with 8-bit block scales, rotation with
+    normal levels, a spared parameter, error feedback over two calls; fp32 with AVG and bf16
+    with SUM. Every output is equal bit for bit, and every case did
     run in several slices."""
     for rank_results in run_distributed(_sliced_worker, world_size):
         for result in rank_results:
@@ -440,26 +441,30 @@ def _train_sliced(rank: int, world_size: int) -> dict:
     from zeropp.tools.modes import MODES
 
     losses = {}
-    for slice_bytes in (None, 4 * BLOCK * 4 * world_size):
-        config = dataclasses.replace(MODES["all"].config(2), grad_slice_bytes=slice_bytes, block_size=BLOCK)
+    for slice_bytes, overlap in ((None, False), (4 * BLOCK * 4 * world_size, False),
+                                 (4 * BLOCK * 4 * world_size, True)):
+        config = dataclasses.replace(MODES["all"].config(2), grad_slice_bytes=slice_bytes, block_size=BLOCK,
+                                     overlap=overlap)
         model = zeropp.shard(make_model("gpt"), config)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        losses[slice_bytes] = []
+        losses[slice_bytes, overlap] = []
         for step in range(3):
             x, y = (rows(t, rank, world_size) for t in global_batch(step, 4 * world_size))
             loss = model(x, y)[1]
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-            losses[slice_bytes].append(loss.item())
+            losses[slice_bytes, overlap].append(loss.item())
     sliced = max(len(c.slices(sum(c.padded_numels) // world_size))
                  for c in zeropp.sharded_comms(model).qgz)
-    return {"unsliced": losses[None], "sliced": losses[4 * BLOCK * 4 * world_size], "most_slices": sliced}
+    return {"unsliced": losses[None, False], "sliced": losses[4 * BLOCK * 4 * world_size, False],
+            "sliced, late": losses[4 * BLOCK * 4 * world_size, True], "most_slices": sliced}
 
 
 def test_grad_slice_bytes_trains_bit_for_bit_as_one_slice() -> None:
     """``ZeroPPConfig.grad_slice_bytes`` through ``zeropp.shard``: all three techniques on 2 x 2
-    train the GPT to the same losses, bit for bit, with slices of 4 blocks as in one slice."""
+    train the GPT to the same losses, bit for bit, with slices of 4 blocks as in one slice, and
+    with ``overlap`` too (each unit's last slice finishing late, [Note: qgZ slices in a pipeline])."""
     result = run_distributed(_train_sliced, 4, env=TWO_BY_TWO)[0]
     assert result["most_slices"] > 1
-    assert result["sliced"] == result["unsliced"], result
+    assert result["sliced"] == result["unsliced"] == result["sliced, late"], result

@@ -10,6 +10,7 @@ from torch import nn
 import zeropp
 from distributed import run_distributed
 from models import global_batch, make_model, rows
+from zeropp.fsdp.after_step import gather_after_step
 
 TWO_BY_TWO = {"ZEROPP_RANKS_PER_NODE": "2"}
 NUM_STEPS = 3
@@ -26,7 +27,8 @@ def _train(rank: int, world_size: int, options: dict, in_backward: bool, gather_
     if in_backward:
         steps = zeropp.optimizer_in_backward(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
                                              gather_ahead=gather_ahead)
-    else:
+    else:  # the loop without zeropp's gathers after the step ([Note: gathers after the step]): the baseline
+        gather_after_step(model, None)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses, ahead_bytes = [], []
     for step in range(NUM_STEPS):

@@ -349,6 +349,8 @@ def _then(first: Callable[[], None], second: Callable[[], None]) -> Callable[[],
 
 _unfinished: deque[Callable[[], None]] = deque()
 _unfinished_backward = [-1]  # the backward pass whose end finishes ``_unfinished``
+_deferred: deque[Callable[[], None]] = deque()
+"""The last stages of finished late calls, run before the next one finishes or when all do."""
 
 
 def finish_late(finish: Callable[[], None]) -> None:
@@ -361,14 +363,29 @@ def finish_late(finish: Callable[[], None]) -> None:
         at_backward_end(finish_unfinished)
     _unfinished.append(finish)
     while len(_unfinished) > 1:
+        _run_deferred()
         _unfinished.popleft()()
+
+
+def defer_last_stage(stage: Callable[[], None]) -> None:
+    """Called by a late call's finish: run ``stage`` (its last collective's wait and what
+    follows) when the next late call finishes, or when the last does; a comm with three stages
+    keeps two units' transfers in flight so ([Note: the replicas' reduction beside backward])."""
+    _deferred.append(stage)
+
+
+def _run_deferred() -> None:
+    while _deferred:
+        _deferred.popleft()()
 
 
 def finish_unfinished() -> None:
-    """Finish every late reduce-scatter, oldest first."""
+    """Finish every late reduce-scatter, oldest first, and the last stages they deferred."""
     _unfinished_backward[0] = -1
     while _unfinished:
+        _run_deferred()
         _unfinished.popleft()()
+    _run_deferred()
 
 
 class DecodeOnWait(dist.Work):
@@ -440,6 +457,10 @@ class GatherAhead:
     unit's gathered payload is held from its step to its forward (``ahead_bytes``)."""
 
     _ahead: tuple[dist.ProcessGroup, torch.Tensor, Started] | None = None
+    taken_ahead: int = 0
+    """Gathers started ahead that a forward took."""
+    dropped_ahead: int = 0
+    """Gathers started ahead that no forward took (the weights changed in between, or dropped)."""
 
     def start(self, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool,
               output_tensor: torch.Tensor | None) -> Started:
@@ -456,6 +477,7 @@ class GatherAhead:
         if self._ahead is not None:
             work = self._ahead[2][0]
             self._ahead = None
+            self.dropped_ahead += 1
             if work is not None:
                 work.wait()
 
@@ -489,10 +511,14 @@ class GatherAhead:
     def _take_ahead(self, input_tensor: torch.Tensor, group: dist.ProcessGroup) -> Started | None:
         if self._ahead is None:
             return None
+        if getattr(self, "audit_request", None) is not None:
+            self.drop_ahead()  # armed by the audit since it started: gather again, beside the exact one
+            return None
         ahead_group, ahead_input, started = self._ahead
         if (ahead_group is group and ahead_input.dtype == input_tensor.dtype
                 and ahead_input.shape == input_tensor.shape and torch.equal(ahead_input, input_tensor)):
             self._ahead = None
+            self.taken_ahead += 1
             return started
         self.drop_ahead()
         return None

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from zeropp.fsdp.access import FSDPModule, all_gather_input, unit_parameters
+from zeropp.fsdp.after_step import steps_in_backward
 from zeropp.fsdp.comms import GatherAhead
 from zeropp.fsdp.unused import GradientPresence
 from zeropp.setup.sharding import sharded_comms
@@ -61,6 +62,7 @@ class OptimizerInBackward:
         self._gathers: list[GatherAhead] = []
         for unit, all_gather, reduce_scatter, presence, params in units:
             optimizer = optimizer_class(params, **optimizer_kwargs)
+            steps_in_backward(optimizer)  # its steps start no gathers after the step: it starts its own
             gather = all_gather if gather_ahead and isinstance(all_gather, GatherAhead) else None
             reduce_scatter.after_reduce = functools.partial(_step, unit, optimizer, presence, gather)
             self.optimizers.append(optimizer)

@@ -255,8 +255,7 @@ def _qgz(plan: Plan, unit: UnitPlan, trainable: Sequence[int], rank: int) -> lis
         block_size=config.gradient_block_size, code=config.gradient_code, full_precision=list(unit.spared),
         slice_bytes=config.grad_slice_bytes, shard=ShardGroups(placement, unit.shard_ranks, None, None))
     chunk = sum(trainable) // layout.shard_group_size
-    late = config.overlap and placement.num_nodes > 1  # [Note: late reduce-scatter]: one slice
-    pieces = comm.slices(chunk, whole=late)
+    pieces = comm.slices(chunk)
     mine = unit.shard_ranks.index(rank)
     node, index = divmod(mine, placement.ranks_per_node)
     inside = unit.shard_ranks[node * placement.ranks_per_node:(node + 1) * placement.ranks_per_node]

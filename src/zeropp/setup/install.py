@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -19,18 +20,22 @@ from torch.distributed.fsdp import FSDPModule
 from zeropp.config import ZeroPPConfig
 from zeropp.fsdp.access import (
     AllGather,
+    CommGroup,
     ReduceScatter,
+    comm_groups,
     default_divide_factor,
     fsdp_units,
     gradients_read_only_after_backward,
     mark_prepared_for_accelerate,
     replicate_group,
+    set_comms,
     set_post_forward_mesh,
     set_process_group_timeouts,
     set_replicas_reduced_by_comm,
     set_unshard_async,
 )
-from zeropp.fsdp.comms import CountingAllGather, CountingReduceScatter, Recorder, collective_timeout_s
+from zeropp.fsdp.after_step import gather_after_step
+from zeropp.fsdp.comms import CountingAllGather, CountingReduceScatter, GatherAhead, Recorder, collective_timeout_s
 from zeropp.fsdp.unused import GradientPresence
 from zeropp.setup.plan import Plan, UnitPlan
 from zeropp.setup.topology import ProcessGroups, Topology, build_process_groups
@@ -52,7 +57,7 @@ def process_groups(plan: Plan, device_type: str) -> ProcessGroups:
 
 def install(model: FSDPModule, plan: Plan, groups: ProcessGroups) -> nn.Module:
     """Install ``plan`` (made by ``plan_sharded`` of this model, agreed and checked) on its units."""
-    config, units = plan.config, list(fsdp_units(model))
+    config, units = plan.config, list(comm_groups(model))  # a unit's parameter groups, each planned
     for message in plan.warnings:
         logger.warning(message)
     installed = ShardedComms(plan=plan)
@@ -72,6 +77,7 @@ def install(model: FSDPModule, plan: Plan, groups: ProcessGroups) -> nn.Module:
         set_process_group_timeouts(timeout_s)
     if config.overlap:
         prefetch_neighbours(model)
+    gather_after_step(model, installed.first_gathered(model) if config.overlap else None)
     previous = _SHARDED.get(model)
     installed.fresh_copy_hooks = previous is not None and previous.fresh_copy_hooks
     if not installed.fresh_copy_hooks and any(unit.secondary in ("fsdp", "codes") for unit in plan.units):
@@ -83,7 +89,7 @@ def install(model: FSDPModule, plan: Plan, groups: ProcessGroups) -> nn.Module:
     return model
 
 
-def _comms(module: FSDPModule, planned: UnitPlan, groups: ProcessGroups, config: ZeroPPConfig
+def _comms(module: CommGroup, planned: UnitPlan, groups: ProcessGroups, config: ZeroPPConfig
            ) -> tuple[AllGather, ReduceScatter]:
     """The all-gather and reduce-scatter comms of one unit, as planned."""
     layout, topology = planned.layout, groups.topology
@@ -166,10 +172,11 @@ def prefetch_neighbours(model: FSDPModule) -> None:
 
 @dataclass
 class ShardedComms:
-    """The comms installed on a model's units, in ``model.modules()`` order (the root first), and
-    the plan they were installed from."""
+    """The comms installed on a model's units (on each parameter group of a unit), in
+    ``model.modules()`` order (the root first), and the plan they were installed from."""
 
-    units: list[FSDPModule] = field(default_factory=list)
+    units: list[CommGroup] = field(default_factory=list)
+    """Each unit's parameter groups (one, or several where FSDP2 gives some parameters another mesh)."""
     all_gathers: list[AllGather] = field(default_factory=list)
     reduce_scatters: list[ReduceScatter] = field(default_factory=list)
     presences: list[GradientPresence] = field(default_factory=list)
@@ -179,10 +186,9 @@ class ShardedComms:
     plan: Plan | None = None
     """What ``zeropp.shard`` / ``enable`` installed (``zeropp.explain`` prints it)."""
 
-    def add(self, unit: FSDPModule, all_gather: AllGather, reduce_scatter: ReduceScatter,
+    def add(self, unit: CommGroup, all_gather: AllGather, reduce_scatter: ReduceScatter,
             presence: GradientPresence) -> None:
-        unit.set_custom_all_gather(all_gather)
-        unit.set_custom_reduce_scatter(reduce_scatter)
+        set_comms(unit, all_gather, reduce_scatter)
         self.units.append(unit)
         self.all_gathers.append(all_gather)
         self.reduce_scatters.append(reduce_scatter)
@@ -194,11 +200,19 @@ class ShardedComms:
         inner = [c.shard if isinstance(c, ReplicatedReduceScatter) else c for c in self.reduce_scatters]
         return [c for c in inner if isinstance(c, HierarchicalQuantizedReduceScatter)]
 
+    def first_gathered(self, model: nn.Module) -> Callable[[], list[tuple[CommGroup, AllGather]]]:
+        """The parameter groups the next forward gathers first (the root's and the blocks the
+        root prefetches, [Note: prefetch]), each with its all-gather comm as installed then."""
+        blocks = [unit for unit in fsdp_units(model) if unit is not model]
+        first = {id(model), *(id(block) for block in blocks[:_FORWARD_AHEAD])}
+        indices = [i for i, group in enumerate(self.units) if id(group.unit) in first]
+        return lambda: [(self.units[i], self.all_gathers[i]) for i in indices]
+
     def replace(self, index: int, all_gather: AllGather, reduce_scatter: ReduceScatter) -> None:
         """Install other comms on the ``index``-th unit (the audit's fallback to exact ones)."""
-        unit = self.units[index]
-        unit.set_custom_all_gather(all_gather)
-        unit.set_custom_reduce_scatter(reduce_scatter)
+        if isinstance(before := self.all_gathers[index], GatherAhead):
+            before.drop_ahead()  # a gather started on the comm being replaced: nobody would take it
+        set_comms(self.units[index], all_gather, reduce_scatter)
         self.all_gathers[index], self.reduce_scatters[index] = all_gather, reduce_scatter
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -212,18 +212,22 @@ class HierarchicalQuantizedReduceScatter(Auditable, LateReduceScatter):
         rows = input_tensor.view(topology.world_size, chunk_numel)
         request = self.take_audit()
         if topology.num_nodes > 1 and self.finishes_late(output_tensor, op):
-            # hop 2 crosses nodes: with ``overlap`` it may finish later ([Note: late reduce-scatter]), whole
-            whole = self.slices(chunk_numel, whole=True)[0]
-            check = None if request is None else _SliceCheck(self, rows, whole, group)
-            exchange = self._send(self._intra_node_hop(rows, whole, check), whole.inter, 2,
-                                  self.groups.inter_node_group, async_op=True, bounds=check and check.hop2_bounds)
-            self.complete(functools.partial(self._finish_inter_node_hop, exchange, output_tensor, reduction, check,
-                                            request), True)
+            # hop 2 crosses nodes: with ``overlap`` the last slice's may finish later ([Note: late reduce-scatter])
+            pieces = self.slices(chunk_numel)
+            if request is None and len(pieces) > 1:
+                finish = self._reduce_pipelined(rows, pieces, output_tensor.view(-1), reduction, late=True)
+            else:
+                finish = self.start_late(output_tensor, rows, reduction, group, request)
+            self.complete(finish, True)
             return None
 
         def reduce_every_slice() -> None:
+            pieces = self.slices(chunk_numel)
+            if request is None and len(pieces) > 1:
+                self._reduce_pipelined(rows, pieces, output_tensor.view(-1), reduction)
+                return
             tally = Tally()
-            for piece in self.slices(chunk_numel):
+            for piece in pieces:
                 check = None if request is None else _SliceCheck(self, rows, piece, group)
                 self._reduce_slice(rows, piece, output_tensor.view(-1), reduction, check)
                 if check is not None:
@@ -233,6 +237,16 @@ class HierarchicalQuantizedReduceScatter(Auditable, LateReduceScatter):
 
         self.complete(reduce_every_slice, False)
         return None
+
+    def start_late(self, output_tensor: torch.Tensor, rows: torch.Tensor, reduction: Reduction,
+                   group: dist.ProcessGroup, request: Request | None = None) -> Callable[[], None]:
+        """Run hop 1 and start hop 2 of the (W, S) ``rows`` in one slice; what it returns waits
+        for hop 2 and writes ``output_tensor`` (and finishes the audit of ``request``)."""
+        whole = self.slices(rows.shape[1], whole=True)[0]
+        check = None if request is None else _SliceCheck(self, rows, whole, group)
+        exchange = self._send(self._intra_node_hop(rows, whole, check), whole.inter, 2,
+                              self.groups.inter_node_group, async_op=True, bounds=check and check.hop2_bounds)
+        return functools.partial(self._finish_inter_node_hop, exchange, output_tensor, reduction, check, request)
 
     def slices(self, chunk_numel: int, whole: bool = False) -> list[_Slice]:
         """[Note: qgZ slices]
@@ -244,8 +258,9 @@ class HierarchicalQuantizedReduceScatter(Auditable, LateReduceScatter):
         slice starts where a block starts (a group of blocks, with grouped scales) within each
         parameter's segment, so every block is the one the unsliced call codes, and each element
         is summed in the same order: the output is bit for bit the unsliced one. Stochastic
-        rounding draws its uniforms in one stream per hop, so it runs in one slice (as does a call
-        that may finish late, ``overlap``), as do units whose rows fit the bound."""
+        rounding draws its uniforms in one stream per hop, so it runs in one slice, as do units
+        whose rows fit the bound. Several slices run as a pipeline ([Note: qgZ slices in a
+        pipeline]); an audited call, one after the other (in one slice, if it may finish late)."""
         if whole or self.slice_bytes is None or self.code.rounding == "stochastic":
             return [self._whole(chunk_numel)]
         if chunk_numel not in self._slices:
@@ -274,6 +289,45 @@ class HierarchicalQuantizedReduceScatter(Auditable, LateReduceScatter):
                                   bounds=check and check.hop2_bounds)
             partial = self._summed(exchange)
         self._write(partial.view(-1), out[start:stop], reduction)
+
+    def _reduce_pipelined(self, rows: torch.Tensor, pieces: list[_Slice], out: torch.Tensor,
+                          reduction: Reduction, late: bool = False) -> Callable[[], None] | None:
+        """Both hops over every slice as a pipeline: see [Note: qgZ slices in a pipeline]. With
+        ``late`` the last slice's hop 2 is left in flight, and what finishes it is returned.
+
+        [Note: qgZ slices in a pipeline]
+        One slice after the other, each hop's coding, all-to-all and decoding run in turn, so the
+        link idles while the CPU codes and decodes, and the CPU while the bytes cross. Instead,
+        at each turn k this rank codes slice k's rows and starts their hop-1 exchange; sums slice
+        k-1's hop 1 and codes and starts its hop 2; and sums slice k-2's hop 2 into the output.
+        Both exchanges run on the backend's threads while the next coding runs. Every slice's
+        arithmetic is the one the serial loop runs (the same blocks, the same summation order,
+        its own columns of the residuals), so the output is bit for bit the same; every rank
+        issues each group's exchanges in slice order. In flight at once: the exchanges and
+        partial sums of three slices instead of one. A call that may finish late ([Note: late
+        reduce-scatter]) leaves only its last slice's hop 2 in flight when it returns, so its
+        temporaries stay a few slices', not the unit's."""
+        count, nodes = len(pieces), self.placement.num_nodes
+        first: list[_Exchange | torch.Tensor | None] = [None] * count
+        second: list[_Exchange | None] = [None] * count
+        for k in range(count + 2):
+            if k < count:
+                first[k] = self._start_intra_node_hop(rows, pieces[k])
+            if 0 <= (j := k - 1) < count:
+                piece, hop1, first[j] = pieces[j], first[j], None
+                partial = hop1 if isinstance(hop1, torch.Tensor) else self._summed(hop1)
+                if nodes > 1:
+                    second[j] = self._send(partial, piece.inter, 2, self.groups.inter_node_group, async_op=True,
+                                           columns=piece.columns, chunk_numel=rows.shape[1])
+                else:
+                    self._write(partial.view(-1), out[piece.columns[0]:piece.columns[1]], reduction)
+            if nodes > 1 and 0 <= (j := k - 2) < count:
+                piece, hop2, second[j] = pieces[j], second[j], None
+                columns = out[piece.columns[0]:piece.columns[1]]
+                if late and j == count - 1:
+                    return lambda: self._write(self._summed(hop2).view(-1), columns, reduction)
+                self._write(self._summed(hop2).view(-1), columns, reduction)
+        return None
 
     def _finish_inter_node_hop(self, exchange: _Exchange, output_tensor: torch.Tensor, reduction: Reduction,
                                check: _SliceCheck | None = None, request: Request | None = None) -> None:
@@ -388,6 +442,15 @@ class HierarchicalQuantizedReduceScatter(Auditable, LateReduceScatter):
             else:
                 total.add_(term)
         return total
+
+    def _start_intra_node_hop(self, rows: torch.Tensor, piece: _Slice) -> _Exchange | torch.Tensor:
+        """Hop 1 of a slice started (``_intra_node_hop`` without the wait), or the slice's rows
+        in fp32 where a node holds one rank."""
+        start, stop = piece.columns
+        if self.placement.ranks_per_node == 1:
+            return rows[:, start:stop].float()
+        return self._send(rows[:, start:stop], piece.intra, 1, self.groups.intra_node_group, remap=True,
+                          async_op=True, columns=piece.columns, chunk_numel=rows.shape[1])
 
     def _intra_node_hop(self, rows: torch.Tensor, piece: _Slice, check: _SliceCheck | None = None) -> torch.Tensor:
         """Hop 1 over a slice of the (W, S) rows (row n*D + d owed to rank n*D + d): local rank d

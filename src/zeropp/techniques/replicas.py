@@ -10,13 +10,14 @@ does the whole reduction ([Note: the replicas' reduction]) and FSDP2's all-reduc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from zeropp.codes.codec import ChunkCodec
-from zeropp.fsdp.comms import LateReduceScatter, all_gather, reduction_of
+from zeropp.fsdp.comms import LateReduceScatter, all_gather, defer_last_stage, reduction_of
 from zeropp.fsdp.ledger import CommLedger
 from zeropp.setup.topology import ProcessGroups, ShardGroups, Topology
 from zeropp.techniques.qgz import HierarchicalQuantizedReduceScatter
@@ -40,7 +41,17 @@ class ReplicatedReduceScatter(LateReduceScatter):
     step of each of the R - 1 rows it was sent in, plus half a step of the reduced row's block.
     AVG divides by R (the shard's AVG divided by S already), as does SUM when FSDP2 divides by
     its default factor afterwards (it counts only the shard group once this comm reduces the
-    replicas); PREMUL_SUM and SUM with the unit's own factor sum."""
+    replicas); PREMUL_SUM and SUM with the unit's own factor sum.
+
+    [Note: the replicas' reduction beside backward]
+    With ``overlap`` (and the unit's gradients read only after backward, [Note: late
+    reduce-scatter] in ``zeropp.fsdp.comms``), steps 2 and 3 cross nodes while backward goes on,
+    as FSDP2 overlaps its own all-reduce across replicas: the call runs step 1 inside the node,
+    starts step 2's all-to-all and returns; when the next unit's call has started its own, the
+    first one's rows are summed and step 3's all-gather started; when the one after that comes
+    (or backward ends), it is decoded into the output. Every rank issues the same collectives
+    on the replicas' group in the same order, and each value is computed as without
+    ``overlap``: the gradients are the same, bit for bit."""
 
     technique = "replicas"
 
@@ -76,6 +87,13 @@ class ReplicatedReduceScatter(LateReduceScatter):
         if output_tensor.numel() != sum(self.chunk_numels):
             raise RuntimeError(f"quantized HSDP got a chunk of {output_tensor.numel()} elements; the unit's "
                                f"trainable parameters make {sum(self.chunk_numels)}")
+        if self.num_replicas > 1 and self.finishes_late(output_tensor, op):
+            rows = self._as_rows(output_tensor.view(-1).float())
+            reduced = rows.new_empty(rows.shape[1])
+            summed = self.reduce.start_late(reduced, rows, reduction_of(dist.ReduceOp.SUM), self.replicate_group)
+            self.complete(functools.partial(self._gather_late, summed, reduced, rows, output_tensor,
+                                            reduction.kind), True)
+            return None
         self.complete(lambda: self._reduce_replicas(output_tensor, reduction.kind), False)
         return None
 
@@ -83,16 +101,37 @@ class ReplicatedReduceScatter(LateReduceScatter):
         rows = self._as_rows(output_tensor.view(-1).float())
         reduced = rows.new_empty(rows.shape[1])
         self.reduce(reduced, rows.view(-1), self.replicate_group, dist.ReduceOp.SUM)
+        self._gather(reduced, rows, output_tensor, kind, async_op=False)()
+
+    def _gather(self, reduced: torch.Tensor, rows: torch.Tensor, output_tensor: torch.Tensor,
+                kind: dist.ReduceOp.RedOpType, async_op: bool) -> Callable[[], None]:
+        """Step 3 started: this rank's reduced row coded and all-gathered across the replicas;
+        what it returns waits, decodes every row and writes ``output_tensor``."""
         codec = self.row_codec
         mine = torch.empty((1, codec.nbytes), dtype=torch.uint8, device=rows.device)
         codec.encode(reduced.view(1, -1), mine)
         received = torch.empty((self.num_replicas, codec.nbytes), dtype=torch.uint8, device=rows.device)
-        all_gather(received.view(-1), mine.view(-1), self.replicate_group, self.recorder, self.technique,
-                   dtype=f"int{self.reduce.bits_inter}")
-        codec.decode(received, rows)
-        if kind == dist.ReduceOp.AVG or (kind == dist.ReduceOp.SUM and self.divides_by_default_factor):
-            rows.div_(self.num_replicas)
-        self._from_rows(rows, output_tensor.view(-1))
+        work = all_gather(received.view(-1), mine.view(-1), self.replicate_group, self.recorder, self.technique,
+                          dtype=f"int{self.reduce.bits_inter}", async_op=async_op)
+
+        def write() -> None:
+            if work is not None:
+                work.wait()
+            codec.decode(received, rows)
+            if kind == dist.ReduceOp.AVG or (kind == dist.ReduceOp.SUM and self.divides_by_default_factor):
+                rows.div_(self.num_replicas)
+            self._from_rows(rows, output_tensor.view(-1))
+        return write
+
+    def _gather_late(self, summed: Callable[[], None], reduced: torch.Tensor, rows: torch.Tensor,
+                     output_tensor: torch.Tensor, kind: dist.ReduceOp.RedOpType) -> None:
+        """Steps 2 and 3 of a late call: see [Note: the replicas' reduction beside backward]."""
+        summed()
+        write = self._gather(reduced, rows, output_tensor, kind, async_op=True)
+        if self.after_reduce is None:
+            defer_last_stage(write)
+        else:  # the unit's optimizer step follows at once (``zeropp.optimizer_in_backward``)
+            write()
 
     def _as_rows(self, chunk: torch.Tensor) -> torch.Tensor:
         """The chunk as R rows: row r holds part r of every parameter's slice (zero-padded)."""
@@ -111,3 +150,4 @@ class ReplicatedReduceScatter(LateReduceScatter):
         for numel, part in zip(self.chunk_numels, self.parts):
             out[start:start + numel] = rows[:, column:column + part].reshape(-1)[:numel]
             start, column = start + numel, column + part
+

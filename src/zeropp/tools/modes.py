@@ -103,6 +103,8 @@ MODES: dict[str, Mode] = {mode.name: mode for mode in (
     Mode(name="hsdp", summary="FSDP2 hybrid sharding (replicate across nodes)", system=System.HSDP),
     Mode(name="hsdp_quantized", summary="hsdp, its cross-node gradient all-reduce in INT4 "
          "(quantized_replica_gradients)", system=System.HSDP, options={"quantized_replica_gradients": True}),
+    Mode(name="hsdp_quantized_overlap", summary="hsdp_quantized, the replicas' exchanges beside backward",
+         system=System.HSDP, options={"quantized_replica_gradients": True, "overlap": True}),
     Mode(name="tp_zero3", summary="tensor parallel 2 inside the node x ZeRO-3 across (FSDP2's collectives, counted)",
          tensor_parallel=2),
     Mode(name="tp_qwz_qgz", summary="tp_zero3 with qwZ and qgZ on the data-parallel sub-mesh", options=_ALL,
@@ -148,6 +150,8 @@ MODES: dict[str, Mode] = {mode.name: mode for mode in (
          options={"quantized_gradients": True, "block_size": 32}),
     Mode(name="qgz_spare", summary="qgZ, parameters under 1024 elements in full precision",
          options={"quantized_gradients": True, **_SPARE_SMALL}),
+    Mode(name="qwz_qgz", summary="qwZ and qgZ without hpZ (what expert parallel and 2-D meshes take)",
+         options=_ALL),
     Mode(name="all", summary="qwZ + hpZ + qgZ", options=_ALL, hpz=True),
     Mode(name="all_spare", summary="all three, qgZ sparing parameters under 1024 elements",
          options={**_ALL, **_SPARE_SMALL}, hpz=True),

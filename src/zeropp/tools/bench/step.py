@@ -106,18 +106,37 @@ def mode_rows(record: dict[str, Any], bandwidth: str, memory: dict[str, dict[str
     return rows
 
 
+def add_floors(rows: list[dict[str, Any]], num_nodes: int) -> None:
+    """Each limited row's floor: the longer of the same mode's step with no limit (its compute
+    and codec work) and its cross-node wire bytes over the nodes' links at the rate (each node's
+    link carries its own sends, one direction: total / nodes / rate), and the step over it. A
+    step at its floor keeps the link or the CPU busy throughout."""
+    from zeropp.tools.cluster.netns import parse_bandwidth
+
+    free = {r["mode"]: r["median_step_s"] for r in rows if parse_bandwidth(r["bandwidth"]) is None}
+    for r in rows:
+        rate = parse_bandwidth(r["bandwidth"])
+        if rate is None or r["mode"] not in free:
+            r["floor_s"] = r["over_floor"] = None
+            continue
+        r["floor_s"] = max(free[r["mode"]], r["cross_node_bytes_wire"] / num_nodes / (rate / 8))
+        r["over_floor"] = r["median_step_s"] / r["floor_s"]
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'bandwidth':<10}{'mode':<10}{'median s':>9}{'x zero3':>8}{'x-node MB ledger':>17}"
-            f"{'wire':>8}{'wire x zero3':>13}{'peak RSS MB':>12}")
+    head = (f"{'bandwidth':<10}{'mode':<16}{'median s':>9}{'x zero3':>8}{'x-node MB ledger':>17}"
+            f"{'wire':>8}{'wire x zero3':>13}{'peak RSS MB':>12}{'x floor':>8}")
     lines = ["per training step, all ranks together (wire: inter-node link frames)", head]
     wire_zero3 = {r["bandwidth"]: r["cross_node_bytes_wire"] for r in rows if r["mode"] == BASELINE}
     for r in rows:
         ratio = f"{r['ratio_vs_zero3']:.3f}" if r["ratio_vs_zero3"] is not None else "n/a"
         wire_ratio = r["cross_node_bytes_wire"] / wire_zero3[r["bandwidth"]] if r["bandwidth"] in wire_zero3 else None
         ledger = f"{r['cross_node_bytes_ledger'] / 1e6:.1f}" if r["cross_node_bytes_ledger"] is not None else "n/a"
-        lines.append(f"{r['bandwidth']:<10}{r['mode']:<10}{r['median_step_s']:>9.2f}{ratio:>8}"
+        floor = f"{r['over_floor']:.2f}" if r.get("over_floor") is not None else ""
+        lines.append(f"{r['bandwidth']:<10}{r['mode']:<16}{r['median_step_s']:>9.2f}{ratio:>8}"
                      f"{ledger:>17}{r['cross_node_bytes_wire'] / 1e6:>8.1f}"
-                     f"{wire_ratio if wire_ratio is not None else float('nan'):>13.3f}{r['peak_rss_mb']:>12.0f}")
+                     f"{wire_ratio if wire_ratio is not None else float('nan'):>13.3f}{r['peak_rss_mb']:>12.0f}"
+                     f"{floor:>8}")
     return "\n".join(lines)
 
 
@@ -191,6 +210,7 @@ def run(out_dir: str = "benchmarks/results", modes: Sequence[str] | None = None,
         rows += mode_rows(record, bandwidth, memory)
         jobs[bandwidth] = {"elapsed_s": result.elapsed_s, "peak_rss_mb": record["peak_rss_mb"], "steps": num_steps}
         print(format_table([r for r in rows if r["bandwidth"] == bandwidth]), flush=True)
+    add_floors(rows, NUM_NODES)
     result = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine_info(torch.device("cpu")),

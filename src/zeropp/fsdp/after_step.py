@@ -1,0 +1,80 @@
+"""The next forward's first gathers started as soon as the optimizer step ends, in the user's own
+loop: see [Note: gathers after the step].
+
+[Note: gathers after the step]
+A training step ends with the optimizer step and the next one begins with the root's gather and
+the first blocks' (FSDP2's forward prefetch, [Note: prefetch] in ``zeropp.setup.install``). The
+weights those gathers move are final once the step returns, so nothing stops them from starting
+then: whatever the loop does before its next forward (the learning-rate schedule, zeroing the
+gradients, logging, loading the next batch) runs while they cross the link. zeropp registers one
+global hook on ``torch.optim.Optimizer``'s step (``register_optimizer_step_post_hook``, so any
+optimizer, however wrapped: a stock loop, zeropp's engine, accelerate's optimizer inside the HF
+Trainer or Lightning's), and when an optimizer holding a sharded model's parameters has stepped,
+it starts, for the units the next forward gathers first (the root and the blocks the root
+prefetches), the gather FSDP2 will ask for ([Note: gathers ahead] in ``zeropp.fsdp.comms``).
+The forward takes each if its input is equal, element for element, to the one FSDP2 then builds,
+so an edit or a checkpoint load in between is seen and gathered afresh; the bytes and the
+weights are those of the gathers they replace, so training is the same bit for bit.
+
+Rules, so that every rank issues the same collectives in the same order: the hook fires on every
+rank's ``optimizer.step()`` as the step itself does; a step inside backward (``zeropp.optimizer_in_
+backward``, which starts its own gathers ahead) starts nothing; units not resharded (a unit kept
+whole) and units whose shards live on the host (``offload="cpu"``) are skipped, as their forward
+does not gather from the device shards. What it costs: the payloads of those few units held from
+the step to the forward, which the forward would hold a moment later anyway.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from zeropp.fsdp.access import CommGroup, all_gather_input, in_backward, is_resharded
+from zeropp.fsdp.comms import GatherAhead
+
+AheadUnits = Callable[[], Sequence[tuple[CommGroup, Any]]]
+"""A model's units gathered first in forward, each with its current all-gather comm."""
+
+_MODELS: weakref.WeakKeyDictionary[nn.Module, tuple[frozenset[int], AheadUnits]] = weakref.WeakKeyDictionary()
+_STEPPED_IN_BACKWARD: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+_hook: Any = None
+
+
+def gather_after_step(model: nn.Module, units: AheadUnits | None) -> None:
+    """Start ``units()``' gathers whenever an optimizer holding ``model``'s parameters has stepped
+    ([Note: gathers after the step]); None stops it for ``model``."""
+    global _hook
+    if units is None:
+        _MODELS.pop(model, None)
+        return
+    _MODELS[model] = (frozenset(id(p) for p in model.parameters()), units)
+    if _hook is None:
+        _hook = register_optimizer_step_post_hook(_after_step)
+
+
+def steps_in_backward(optimizer: torch.optim.Optimizer) -> None:
+    """Mark ``optimizer`` as one stepped inside backward: its steps start nothing here."""
+    _STEPPED_IN_BACKWARD.add(optimizer)
+
+
+def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if in_backward() or optimizer in _STEPPED_IN_BACKWARD:
+        return
+    for param_ids, units in list(_MODELS.values()):
+        if not any(id(p) in param_ids for group in optimizer.param_groups for p in group["params"]):
+            continue
+        for group, all_gather in units():
+            if isinstance(all_gather, GatherAhead) and is_resharded(group) and \
+                    (started := all_gather_input(group)) is not None:
+                all_gather.gather_ahead(*started)
+
+
+def ahead_bytes(model: nn.Module) -> int:
+    """Bytes ``model``'s gathers started after the step hold until its forward takes them."""
+    entry = _MODELS.get(model)
+    return 0 if entry is None else sum(g.ahead_bytes for _, g in entry[1]() if isinstance(g, GatherAhead))

@@ -1,0 +1,144 @@
+"""The next forward's first gathers started when the optimizer step ends ([Note: gathers after the
+step] in ``zeropp.fsdp.after_step``): in a stock loop with accumulation and clipping, in the
+engine and in the HF Trainer, training is bit for bit the same as without them, and the forward
+takes them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zeropp
+from distributed import run_distributed
+from models import global_batch, make_model, rows
+from zeropp.fsdp.after_step import ahead_bytes, gather_after_step
+from zeropp.fsdp.comms import GatherAhead
+
+TWO_BY_TWO = {"ZEROPP_RANKS_PER_NODE": "2"}
+ALL_THREE = {"quantized_weights": True, "quantized_gradients": True, "hpz_partition_size": 2, "overlap": True}
+NUM_STEPS, ACCUMULATION, CLIP = 4, 2, 0.05
+EDITED_STEP = 2
+"""Before this step's forward the loop scales the weights in place, after the step's gathers started."""
+
+
+def _counts(model: torch.nn.Module) -> dict[str, int]:
+    gathers = [g for g in zeropp.sharded_comms(model).all_gathers if isinstance(g, GatherAhead)]
+    return {"taken": sum(g.taken_ahead for g in gathers), "dropped": sum(g.dropped_ahead for g in gathers)}
+
+
+def _stock_loop(rank: int, world_size: int, after_step: bool) -> dict:
+    """AdamW, two micro-batches per step, clipping by the global norm, a schedule, an edit."""
+    model = make_model("gpt")
+    zeropp.shard(model, zeropp.ZeroPPConfig(**ALL_THREE))
+    if not after_step:
+        gather_after_step(model, None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    losses, held = [], []
+    for step in range(NUM_STEPS):
+        if step == EDITED_STEP:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.5)
+        for micro in range(ACCUMULATION):
+            x, y = (rows(t, rank, world_size) for t in global_batch(step * ACCUMULATION + micro, 8))
+            _, loss = model(x, y)
+            (loss / ACCUMULATION).backward()
+            losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        held.append(ahead_bytes(model))
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+    params = {name: p.full_tensor() for name, p in model.named_parameters()}
+    return {"losses": losses, "params": params, "counts": _counts(model), "held": held}
+
+
+def _engine(rank: int, world_size: int, after_step: bool) -> dict:
+    """zeropp's engine from a DeepSpeed config: accumulation, clipping, its own schedule."""
+    model = make_model("gpt")
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": ACCUMULATION,
+              "gradient_clipping": CLIP, "zero_optimization": {
+                  "stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
+                  "zero_hpz_partition_size": 2, "zeropp": {"overlap": True}},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2, "warmup_max_lr": 1e-2}}}
+    engine, *_ = zeropp.initialize(model=model, config=config)
+    if not after_step:
+        gather_after_step(model, None)
+    losses = []
+    for step in range(NUM_STEPS * ACCUMULATION):
+        x, y = (rows(t, rank, world_size) for t in global_batch(step, 8))
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    params = {name: p.full_tensor() for name, p in model.named_parameters()}
+    return {"losses": losses, "params": params, "counts": _counts(model)}
+
+
+def _both(rank: int, world_size: int, which: str) -> dict:
+    train = {"loop": _stock_loop, "engine": _engine}[which]
+    on, off = train(rank, world_size, True), train(rank, world_size, False)
+    return {"losses": (on["losses"], off["losses"]), "counts": (on["counts"], off["counts"]),
+            "held": on.get("held"), "params_equal": all(torch.equal(on["params"][n], off["params"][n])
+                                                        for n in on["params"])}
+
+
+def test_gathers_after_the_step_in_a_stock_loop_change_no_bit() -> None:
+    """Every step but the edited one's forward takes the root's and the first blocks' gathers
+    started by the step before (here the whole 2-block model: 3 units); at the edit the forward
+    sees the changed weights and drops them; the last step's wait for a next forward."""
+    for r in run_distributed(_both, 4, "loop", env=TWO_BY_TWO):
+        on, off = r["losses"]
+        assert on == off and r["params_equal"]
+        units = 3
+        assert r["counts"][0] == {"taken": units * (NUM_STEPS - 2), "dropped": units}, r["counts"]
+        assert r["counts"][1] == {"taken": 0, "dropped": 0}
+        assert all(held > 0 for held in r["held"])
+
+
+@pytest.mark.slow
+def test_gathers_after_the_step_in_the_engine_change_no_bit() -> None:
+    for r in run_distributed(_both, 4, "engine", env=TWO_BY_TWO):
+        on, off = r["losses"]
+        assert on == off and r["params_equal"]
+        assert r["counts"][0] == {"taken": 3 * (NUM_STEPS - 1), "dropped": 0}, r["counts"]
+        assert r["counts"][1] == {"taken": 0, "dropped": 0}
+
+
+def _trainer(rank: int, world_size: int, out_dir: str) -> dict:
+    from transformers import TrainingArguments
+
+    from test_hf import Sequences, tiny_llama
+    from zeropp.hf import ZeroPPTrainer
+    from zeropp.tools.modes import MODES
+
+    results = {}
+    for overlap in (True, False):
+        model = tiny_llama(lora=False)
+        args = TrainingArguments(output_dir=f"{out_dir}/{overlap}", per_device_train_batch_size=2, max_steps=4,
+                                 gradient_accumulation_steps=2, learning_rate=0.5, optim="adamw_torch",
+                                 max_grad_norm=1.0, logging_steps=1, report_to=[], use_cpu=True, seed=0,
+                                 dataloader_drop_last=True, disable_tqdm=True)
+        trainer = ZeroPPTrainer(model, args=args, train_dataset=Sequences(),
+                                zeropp_config=MODES["all"].config(2, overlap=overlap))
+        trainer.train()
+        results[overlap] = {"losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+                            "counts": _counts(model),
+                            "params": {n: p.full_tensor() for n, p in model.named_parameters()}}
+    on, off = results[True], results[False]
+    return {"losses": (on["losses"], off["losses"]), "counts": on["counts"],
+            "params_equal": all(torch.equal(on["params"][n], off["params"][n]) for n in on["params"])}
+
+
+@pytest.mark.slow
+def test_gathers_after_the_step_under_the_hf_trainer_change_no_bit(tmp_path) -> None:
+    """Trainer's defaults (its save strategy included) with accumulation and clipping: the
+    all-three run with ``overlap`` (gathers after accelerate's optimizer step) against the same
+    run without, bit for bit; its forwards took the gathers started after each step."""
+    pytest.importorskip("transformers")
+    for r in run_distributed(_trainer, 4, str(tmp_path), env=TWO_BY_TWO, timeout=300):
+        on, off = r["losses"]
+        assert len(on) == 4 and on == off and r["params_equal"]
+        assert r["counts"]["taken"] > 0 and r["counts"]["dropped"] <= r["counts"]["taken"], r["counts"]
