@@ -247,7 +247,7 @@ class ZeroPPConfig(_KeyedConfig):
     """qgZ: run both hops over column slices of each unit's gradients, each slice's fp32 rows (all
     ranks' rows of its columns) at most this many bytes, so that the coding buffers, payloads and
     decoded rows are a slice's, not the unit's; the gradients are bit for bit the same. None: one
-    slice. The default keeps qgZ's peak within 1% of ZeRO-3's at Llama-3-8B's shapes on 64 and 384
+    slice. The default keeps qgZ's peak within 2.5% of ZeRO-3's at Llama-3-8B's shapes on 64 and 384
     ranks (docs/results.md, "qgZ's memory") while each slice's all-to-all still moves megabytes.
     See zeropp.techniques.qgz [Note: qgZ slices]."""
     overlap: bool = False

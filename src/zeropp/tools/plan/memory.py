@@ -54,7 +54,11 @@ packed rows it sends to its D - 1 node peers (W - N rows) and as many received, 
 one peer's N rows at a time into one buffer and adds them to N partial rows: its largest
 moment is max(2 x packed, packed + 2 x N x s x 4). Hop 2 does the same with the N partial
 rows (N - 1 sent, one row from each node), while they stay alive. N and D are the shard
-group's (``Layout.shard_group``): the world's in 1-D.
+group's (``Layout.shard_group``): the world's in 1-D. With more than one slice the hops run as a
+pipeline (``zeropp.techniques.qgz``' [Note: qgZ slices in a pipeline]): while slice k-1's hop 1
+is summed (both of its exchange's buffers still held, its partials and a decode buffer), slice
+k's hop 1 is in flight (2 x packed) and slice k-2's hop 2 too (2 x its packed rows, beside the
+partials they were coded from).
 
 [Note: the replicas' buffers]
 HSDP with ``quantized_replica_gradients`` (``zeropp.techniques.replicas``' [Note: the replicas' reduction]),
@@ -200,15 +204,24 @@ def _qgz_bytes(trainable: list[int], config: ZeroPPConfig, shard: Topology) -> f
         segments = segments_for(trainable, [True] * len(trainable), world, bits, grouped_scales=grouped)
         return payload_bytes(segments, config.gradient_block_size, torch.float32) * columns / chunk
 
-    peak, partials = 0.0, 0.0
+    slices = math.ceil(chunk / columns)
+    first = (world - nodes) * packed_row(config.grad_bits_intra) if per_node > 1 else 0.0
+    second = (nodes - 1) * packed_row(config.grad_bits_inter) if nodes > 1 else 0.0
+    partials = nodes * columns * 4
+    peak = 0.0
     if per_node > 1:
-        packed = (world - nodes) * packed_row(config.grad_bits_intra)
-        partials = nodes * columns * 4
-        peak = max(2 * packed, packed + 2 * partials)
+        peak = max(2 * first, first + 2 * partials)
     if nodes > 1:
-        packed = (nodes - 1) * packed_row(config.grad_bits_inter)
-        peak = max(peak, partials + max(2 * packed, packed + 2 * columns * 4))
-    return peak
+        peak = max(peak, (partials if per_node > 1 else 0.0) + max(2 * second, second + 2 * columns * 4))
+    if slices == 1:
+        return peak
+    # the pipeline: slice k's hop 1 in flight while slice k-1's is summed (its exchange's both
+    # buffers still held, its partials and one decode buffer), and slice k-2's hop 2 in flight
+    # with the partials it was coded from
+    ahead = 2 * first if per_node > 1 else 0.0
+    behind = 2 * second + partials if nodes > 1 and slices > 2 else 0.0
+    summing = 2 * first + 2 * partials if per_node > 1 else 2 * second + 2 * columns * 4 + partials
+    return max(peak, ahead + summing + behind)
 
 
 def _replica_bytes(chunk_numels: list[int], config: ZeroPPConfig, num_replicas: int, reduce_dtype: torch.dtype
