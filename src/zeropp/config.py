@@ -209,7 +209,7 @@ class ZeroPPConfig(_KeyedConfig):
     """Bits per gradient element on qgZ's intra-node hop: 2, 4 or 8. 8 (the default) cuts this hop's
     error 16-fold on the fast link and leaves the cross-node hop, the bytes qgZ exists to cut, at
     ``grad_bits_inter``: the cross-node bytes are DeepSpeed's. Fine-tuning SmolLM2-135M, it took the
-    cost of all three techniques from +0.39% to +0.17% of the held-out loss (docs/results.md,
+    cost of all three techniques from +0.39% to +0.16% of the held-out loss (docs/results.md,
     "Accuracy on a pretrained model"). 4 is DeepSpeed's code (``zero_quantized_gradients``)."""
     grad_bits_inter: int = 4
     """Bits per gradient element on qgZ's inter-node hop: 2, 4 or 8."""
