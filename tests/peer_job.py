@@ -27,11 +27,12 @@ def main() -> None:
     parser.add_argument("--fail", choices=("kill", "stall"), required=True)
     parser.add_argument("--rank", type=int, default=1)
     parser.add_argument("--at-step", type=int, default=2)
+    parser.add_argument("--serial", action="store_true", help="overlap=False: every collective in turn")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    model = zeropp.shard(make_model("gpt"), MODES["all"].config(2))
+    model = zeropp.shard(make_model("gpt"), MODES["all"].config(2, overlap=not args.serial))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     step = 0
 

@@ -287,7 +287,7 @@ def test_bytes_equal_the_ledger_of_a_real_run(num_nodes: int) -> None:
     the GPT; the demo's tensor parallel modes (only its MLPs split, ``_demo_units``) as the plan
     prices those shapes on the tensor parallel layout: one rank per node in each data-parallel
     group."""
-    config = WorkerConfig(modes=("hsdp_quantized", "tp_zero3", "tp_qwz_qgz"), warmup_steps=0, steps=1, batch_size=12,
+    config = WorkerConfig(modes=("hsdp_quantized", "tp_zero3", "tp_qwz_qgz"), warmup_steps=1, steps=1, batch_size=12,
                           context_length=18, num_layers=2, embed_dim=48, num_heads=2, param_dtype="bfloat16")
     topology = Topology(num_nodes=num_nodes, ranks_per_node=2)
     record, *_ = run_distributed(_traffic_job, topology.world_size, config, env={"ZEROPP_RANKS_PER_NODE": "2"},

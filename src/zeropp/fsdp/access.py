@@ -325,6 +325,12 @@ def _param_groups(units: Iterable[FSDPModule | CommGroup]) -> Iterator[Any]:
             yield from unit._get_fsdp_state()._fsdp_param_groups
 
 
+def is_initialized(model: FSDPModule) -> bool:
+    """Whether FSDP2 has set up ``model``'s sharding state (its lazy initialisation, at the first
+    forward): before it, a parameter group cannot build its gather's input."""
+    return model._get_fsdp_state()._is_root is not None
+
+
 def is_resharded(unit: FSDPModule) -> bool:
     """Whether the unit holds only its primary shards (its next forward gathers them over its
     shard group), not its whole parameters or hpZ's secondary shards; False without parameters

@@ -18,10 +18,12 @@ weights are those of the gathers they replace, so training is the same bit for b
 
 Rules, so that every rank issues the same collectives in the same order: the hook fires on every
 rank's ``optimizer.step()`` as the step itself does; a step inside backward (``zeropp.optimizer_in_
-backward``, which starts its own gathers ahead) starts nothing; units not resharded (a unit kept
-whole) and units whose shards live on the host (``offload="cpu"``) are skipped, as their forward
-does not gather from the device shards. What it costs: the payloads of those few units held from
-the step to the forward, which the forward would hold a moment later anyway.
+backward``, which starts its own gathers ahead) starts nothing; a step before the model's first
+forward (DCP's ``get_state_dict`` steps an optimizer with zero gradients to build its state)
+starts nothing; units not resharded (a unit kept whole) and units whose shards live on the host
+(``offload="cpu"``) are skipped, as their forward does not gather from the device shards. What it costs: the
+payloads of those few units held from the step to the forward, which the forward would hold a
+moment later anyway.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from zeropp.fsdp.access import CommGroup, all_gather_input, in_backward, is_resharded
+from zeropp.fsdp.access import CommGroup, all_gather_input, in_backward, is_initialized, is_resharded
 from zeropp.fsdp.comms import GatherAhead
 
 AheadUnits = Callable[[], Sequence[tuple[CommGroup, Any]]]
@@ -65,9 +67,10 @@ def steps_in_backward(optimizer: torch.optim.Optimizer) -> None:
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if in_backward() or optimizer in _STEPPED_IN_BACKWARD:
         return
-    for param_ids, units in list(_MODELS.values()):
-        if not any(id(p) in param_ids for group in optimizer.param_groups for p in group["params"]):
-            continue
+    for model, (param_ids, units) in list(_MODELS.items()):
+        if not is_initialized(model) or \
+                not any(id(p) in param_ids for group in optimizer.param_groups for p in group["params"]):
+            continue  # a step before the first forward (DCP's optimizer-state init) starts nothing
         for group, all_gather in units():
             if isinstance(all_gather, GatherAhead) and is_resharded(group) and \
                     (started := all_gather_input(group)) is not None:

@@ -29,11 +29,17 @@ The layouts, as torchtitan builds them under ``SPMD_BACKEND`` (world mesh unflat
 - HSDP (``data_parallel_replicate_degree``): each unit is sharded on the 2-D ``(dp_replicate,
   fsdp)`` mesh; qgZ runs inside the shard group, ``quantized_replica_gradients`` quantizes the
   replicas' all-reduce. Both degrees together give HSDP of tensor parallel blocks.
+- expert parallel (``expert_parallel_degree``): each MoE block's routed experts are sharded over
+  the ranks of one EP index (``efsdp``), the rest of the block over ``fsdp``; FSDP2 keeps the two
+  as parameter groups of one unit and each gets its own qwZ and qgZ over its own group
+  (``zeropp.fsdp.access.CommGroup``). The tokens' all-to-alls stay torchtitan's, counted in the
+  ledger as ``ep_tokens`` ([Note: expert parallelism's token exchanges]).
 
 hpZ has nothing to keep where tensor parallel fills the node (one data-parallel rank per node)
 or under HSDP (the shard group is a node): there ``zeropp.enable`` refuses
 ``hpz_partition_size > 1`` by name (``llama3_debugmodel`` turns it on for several nodes, so take
-another config function there). Context, pipeline and expert parallelism are refused.
+another config function there), and for the experts where a node holds one rank of their group.
+Context and pipeline parallelism are refused, each with its reason.
 """
 
 from __future__ import annotations

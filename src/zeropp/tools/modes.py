@@ -78,6 +78,9 @@ scaling): a step of absmax/127, an error uniform within half a step (RMS step/sq
 absmax of 256 Gaussian values about 3.08 standard deviations (RMS over blocks), so
 3.08 / (127 x 3.46) = 7.0e-3; measured on the demo GPT's initial matrices: 6.8e-3 to 7.2e-3."""
 _ALL = {"quantized_weights": True, "quantized_gradients": True}
+_SERIAL = {"overlap": False}
+"""The baselines run FSDP2's own schedule, on CPU every collective in turn, whatever ``overlap``'s
+default (``hsdp`` is FSDP2's alone, without zeropp)."""
 _ROTNORM = {"grad_bits_intra": 8, "grad_rotation": "hadamard", "grad_levels": "normal"}
 """qgZ's lowest-error option with fp32 block scales at DeepSpeed's cross-node bytes."""
 _SCALE8 = {"grad_bits_intra": 8, "grad_levels": "normal", "grad_block_size": 64, "grad_scale_bits": 8}
@@ -94,7 +97,8 @@ By default DeepSpeed prefetches up to 5e7 elements along the recorded trace and 
 will use again within 1e9 elements: on a model smaller than that, every weight stays whole from
 the second forward to its backward, nothing is gathered in backward and hpZ makes no copy."""
 MODES: dict[str, Mode] = {mode.name: mode for mode in (
-    Mode(name="zero3", summary="ZeRO-3: FSDP2 with its own collectives (counted)"),
+    Mode(name="zero3", summary="ZeRO-3: FSDP2 with its own collectives (counted), each in turn as FSDP2 runs "
+         "them on CPU", options=_SERIAL),
     Mode(name="zero3_init", summary="control: ZeRO-3 from initial weights perturbed by qwZ's relative error",
          initial_weight_noise=QWZ_RELATIVE_ERROR),
     Mode(name="zero3_order", summary="control: ZeRO-3 whose gradient sums run in another fp32 order "
@@ -106,7 +110,7 @@ MODES: dict[str, Mode] = {mode.name: mode for mode in (
     Mode(name="hsdp_quantized_overlap", summary="hsdp_quantized, the replicas' exchanges beside backward",
          system=System.HSDP, options={"quantized_replica_gradients": True, "overlap": True}),
     Mode(name="tp_zero3", summary="tensor parallel 2 inside the node x ZeRO-3 across (FSDP2's collectives, counted)",
-         tensor_parallel=2),
+         options=_SERIAL, tensor_parallel=2),
     Mode(name="tp_qwz_qgz", summary="tp_zero3 with qwZ and qgZ on the data-parallel sub-mesh", options=_ALL,
          tensor_parallel=2),
     Mode(name="deepspeed", summary="DeepSpeed ZeRO-3", system=System.DEEPSPEED),

@@ -176,9 +176,14 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
+STEP_MODES = (*BENCH_MODES, "hsdp_quantized", "all_overlap")
+"""The worker's modes, and beside them quantized HSDP and all three with ``overlap`` (what it
+buys, measured in the same run)."""
+
+
 def default_modes() -> tuple[str, ...]:
-    """Every worker mode, plus DeepSpeed ZeRO-3 where DeepSpeed is installed."""
-    return BENCH_MODES + (("deepspeed",) if deepspeed_available() else ())
+    """``STEP_MODES``, plus DeepSpeed ZeRO-3 where DeepSpeed is installed."""
+    return STEP_MODES + (("deepspeed",) if deepspeed_available() else ())
 
 
 def run(out_dir: str = "benchmarks/results", modes: Sequence[str] | None = None,
