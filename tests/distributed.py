@@ -12,6 +12,7 @@ import datetime
 import os
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -95,13 +96,20 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: flo
     for p in procs:
         p.start()
     outcome: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout
     try:
         while len(outcome) < world_size:
             try:
-                rank, ok, value = results.get(timeout=timeout)
+                rank, ok, value = results.get(timeout=1.0)
             except queue.Empty:
                 missing = sorted(set(range(world_size)) - set(outcome))
-                raise AssertionError(f"ranks {missing} gave no result within {timeout} s (hang?)") from None
+                dead = {r: procs[r].exitcode for r in missing if procs[r].exitcode not in (None, 0)}
+                if dead:  # died before reporting (a crash, or an import that failed in the rank)
+                    raise AssertionError(f"ranks {sorted(dead)} exited with {sorted(set(dead.values()))} "
+                                         "before reporting a result; their stderr says why") from None
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"ranks {missing} gave no result within {timeout} s (hang?)") from None
+                continue
             outcome[rank] = (ok, value)
             if not ok:
                 error = _PortTaken if "EADDRINUSE" in value else AssertionError

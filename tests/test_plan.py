@@ -23,10 +23,12 @@ from zeropp.tools.modes import MODES, System
 from zeropp.tools.plan import calibrate, cost, emulated, memory, recommend, scale, traffic
 from zeropp.tools.plan import model as model_shape
 
-TRAFFIC_JOB = WorkerConfig(modes=(*BENCH_MODES, "all_hier", "all_scale8"), warmup_steps=0, steps=1, batch_size=12,
+TRAFFIC_JOB = WorkerConfig(modes=(*BENCH_MODES, "all_hier", "all_scale8"), warmup_steps=1, steps=1, batch_size=12,
                            context_length=18, num_layers=2, embed_dim=48, num_heads=2)
 """The bench's six modes, qwZ's two-hop gather and qgZ's 8-bit block scales, on a GPT whose dims
-0 (84 characters, 18 positions) leave FSDP2 padding on six ranks; one step each."""
+0 (84 characters, 18 positions) leave FSDP2 padding on six ranks; one step each, after one warm-up
+step: each step ends by starting the next forward's first gathers ([Note: gathers after the step]),
+so a window opened after a step holds one step's collectives."""
 
 
 def _traffic_job(rank: int, world_size: int, config: WorkerConfig) -> dict | None:
@@ -146,21 +148,26 @@ KNOWN = cost.Machine(name="known", ranks_per_node=2, inter_node_bytes_per_s=floa
 """Constants of an imaginary CPU cluster, to be recovered by the fit."""
 
 
-def _synthetic_measurements(machine: cost.Machine, link_efficiency: float) -> list[calibrate.Measurement]:
-    """Steps priced by the cost model itself on two model sizes, every mode, three link rates."""
+def _synthetic_measurements(machine: cost.Machine, link_efficiency: float,
+                            overlap: tuple[bool, ...] = (False,)) -> list[calibrate.Measurement]:
+    """Steps priced by the cost model itself on two model sizes, every mode, three link rates;
+    zeropp's modes also with ``overlap`` where ``overlap`` holds True."""
     topology = Topology(num_nodes=2, ranks_per_node=2)
     workload = cost.Workload(batch_per_rank=4, context_length=64, precision=traffic.Precision(
         gather_dtype=torch.float32, reduce_dtype=torch.float32))
     out = []
     for shape in (_small_gpt(4, 256), _small_gpt(6, 384)):
         for mode in BENCH_MODES:
-            config = None if MODES[mode].system is System.HSDP else MODES[mode].config(2)
-            for rate in (None, 125e6, 12.5e6):
-                priced = replace(machine, inter_node_bytes_per_s=float("inf") if rate is None
-                                 else rate * link_efficiency)
-                step = cost.step_time(shape, config, topology, workload, priced).step_s
-                out.append(calibrate.Measurement(model=shape, config=config, workload=workload, topology=topology,
-                                                 link_bytes_per_s=rate, step_s=step, label=mode))
+            for overlapped in overlap:
+                config = None if MODES[mode].system is System.HSDP else MODES[mode].config(2, overlap=overlapped)
+                if config is None and overlapped:
+                    continue
+                for rate in (None, 125e6, 12.5e6):
+                    priced = replace(machine, inter_node_bytes_per_s=float("inf") if rate is None
+                                     else rate * link_efficiency)
+                    step = cost.step_time(shape, config, topology, workload, priced).step_s
+                    out.append(calibrate.Measurement(model=shape, config=config, workload=workload,
+                                                     topology=topology, link_bytes_per_s=rate, step_s=step, label=mode))
     return out
 
 
@@ -189,11 +196,47 @@ def test_calibration_recovers_known_constants(serial_cost: dict[str, float]) -> 
     assert fitted.send_bytes_per_s == pytest.approx(KNOWN.serial_bytes_per_s, rel=2e-3)
     assert fitted.link_efficiency == pytest.approx(0.93, rel=2e-3)
     assert max(map(abs, fitted.relative_errors)) < 1e-3
-    # the fitted machine prices a step as the fit does
+    # the fitted machine prices a step as the fit does, with overlap too
     m = measured[-1]
-    machine = fitted.machine(m.topology, m.link_bytes_per_s)
-    assert cost.step_time(m.model, m.config, m.topology, m.workload, machine).step_s == pytest.approx(
-        fitted.predict(m), rel=1e-9)
+    for config in (m.config, replace(m.config, overlap=True)):
+        step = replace(m, config=config)
+        machine = fitted.machine(m.topology, m.link_bytes_per_s)
+        assert cost.step_time(m.model, config, m.topology, m.workload, machine).step_s == pytest.approx(
+            fitted.predict(step), rel=1e-9)
+
+
+def test_overlap_on_a_cpu_backend_takes_the_longer_of_cpu_and_link() -> None:
+    """With ``overlap`` on gloo the step is the longer of the CPU's work and the link's time plus
+    the optimizer, and the part of the shorter that does not overlap ([Note: overlap on a CPU
+    backend]): with full overlap never more than the step without it, equal to it with no link
+    limit (nothing to hide), and at 100 Mbit/s no less than the cross-node bytes over the link.
+    The fit recovers a machine's overlap fraction from its steps with ``overlap`` to 0.01, and the
+    fitted machine prices those steps as the fit does."""
+    for threads_overlap in (1.0, 0.7):
+        machine = replace(KNOWN, threads_overlap=threads_overlap)
+        measured = _synthetic_measurements(machine, link_efficiency=1.0, overlap=(False, True))
+        fitted = calibrate.fit(measured)
+        assert fitted.overlap == pytest.approx(threads_overlap, abs=0.01)
+        assert max(map(abs, fitted.relative_errors)) < 2e-2
+        for m in measured:
+            if not calibrate.overlapped(m):
+                continue
+            serial = fitted.predict(replace(m, config=replace(m.config, overlap=False)))
+            overlapped = fitted.predict(m)
+            priced = cost.step_time(m.model, m.config, m.topology, m.workload,
+                                    fitted.machine(m.topology, m.link_bytes_per_s))
+            assert priced.step_s == pytest.approx(overlapped, rel=1e-9)
+            if threads_overlap == 1.0:
+                assert overlapped <= serial * (1 + 1e-9)
+            if m.link_bytes_per_s is None:
+                assert overlapped == pytest.approx(serial, rel=1e-9) or threads_overlap < 1
+            else:
+                transfers = [t for unit in traffic.step_transfers(m.model, m.config, m.topology,
+                                                                  m.workload.precision)
+                             for t in unit if not t.background]
+                link_s = sum(cost.link_bytes(t, m.topology, "gloo")[1] for t in transfers) / (
+                    m.link_bytes_per_s * fitted.link_efficiency)
+                assert overlapped >= link_s + priced.optimizer_s - 1e-9
 
 
 def test_relative_costs_change_the_step_and_come_from_the_measured_rates() -> None:
@@ -223,7 +266,7 @@ def test_relative_costs_change_the_step_and_come_from_the_measured_rates() -> No
 
 def test_calibration_refuses_what_cannot_be_fitted() -> None:
     measured = _synthetic_measurements(KNOWN, link_efficiency=1.0)
-    with pytest.raises(ValueError, match="needs at least 7 measured steps"):
+    with pytest.raises(ValueError, match="needs at least 7 measured steps without overlap"):
         calibrate.fit(measured[:3])
     with pytest.raises(ValueError, match="positive and finite"):
         calibrate.fit([replace(m, step_s=float("nan")) if i == 0 else m for i, m in enumerate(measured)])
@@ -235,7 +278,10 @@ def test_committed_step_records_read_as_measurements() -> None:
     record = json.loads(Path("benchmarks/results/bench_step.json").read_text())
     measured = emulated.measurements(record)
     zeropp_rows = [r for r in record["records"] if r["mode"] != "deepspeed"]
-    assert len(measured) == len(zeropp_rows) == 18
+    assert len(measured) == len(zeropp_rows) == 24
+    quantized_hsdp = next(m for m in measured if m.label.endswith("hsdp_quantized unlimited"))
+    assert quantized_hsdp.config.quantized_replica_gradients  # priced as the replicas' INT4 exchange
+    assert next(m for m in measured if m.label.endswith(" hsdp unlimited")).config is None  # FSDP2's HSDP
     assert all(m.model.num_parameters == record["config"]["num_parameters"] for m in measured)
     wrong = {**record, "config": {**record["config"], "num_parameters": 1}}
     with pytest.raises(ValueError, match="another corpus"):

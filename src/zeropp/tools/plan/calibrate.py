@@ -11,12 +11,17 @@ linear ones by least squares on relative errors (each equation divided by its me
 a 20 s step does not outweigh a 0.2 s one), every constant non-negative: a coefficient that comes
 out negative is dropped and the rest refitted until none is. Compute is the same in every mode of
 one model, so separating FLOPs from elementwise work needs two model sizes at least.
+
+Steps run with zeropp's ``overlap`` are priced by [Note: overlap on a CPU backend] in
+``zeropp.tools.plan.cost`` from the same constants and one more, the part of the shorter of
+CPU and link time that runs beside the other: fitted on those steps (on a grid of 0.01) once
+the seven are fitted on the steps without it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -27,6 +32,7 @@ from zeropp.tools.plan.cost import (
     Workload,
     activation_elements,
     link_bytes,
+    overlapped_step,
     sharded_parameters,
     step_flops,
     weighted_sends,
@@ -58,12 +64,19 @@ class Measurement:
 
 @dataclass(frozen=True)
 class _Amounts:
-    """One measured step's amounts: the linear features, and per collective the bytes this rank
-    sends and the seconds its node link needs at the nominal rate (0 without a limit)."""
+    """One measured step's amounts: the linear features, per collective the bytes this rank
+    sends and the seconds its node link needs at the nominal rate (0 without a limit), and
+    whether its collectives run beside compute (``overlap``)."""
 
     linear: np.ndarray
     sent: np.ndarray
     link_seconds: np.ndarray
+    overlapped: bool = False
+
+
+def overlapped(m: Measurement) -> bool:
+    """Whether ``m``'s collectives run beside compute on the backend's threads (zeropp's ``overlap``)."""
+    return m.config is not None and m.config.overlap
 
 
 def amounts(m: Measurement, serial_cost: Mapping[str, float]) -> _Amounts:
@@ -76,11 +89,27 @@ def amounts(m: Measurement, serial_cost: Mapping[str, float]) -> _Amounts:
     link = np.zeros(len(transfers))
     if m.link_bytes_per_s is not None:
         link = np.array([link_bytes(t, m.topology, "gloo")[1] for t in transfers]) / m.link_bytes_per_s
-    return _Amounts(linear, sent, link)
+    return _Amounts(linear, sent, link, overlapped(m))
 
 
 def _transfer_seconds(a: _Amounts, send_rate: float, efficiency: float) -> float:
+    """The collectives' share of a step without ``overlap``: each takes the longer of its CPU and
+    its link time, one after the other."""
     return float(np.maximum(a.sent / send_rate, a.link_seconds / efficiency).sum())
+
+
+def _step_seconds(a: _Amounts, coefficients: np.ndarray, send_rate: float, efficiency: float,
+                  overlap: float) -> float:
+    """A step's time: without ``overlap`` the work plus each collective's longer of CPU and link
+    time; with it the longer of the CPU's work and the link's (the optimizer on the link's side
+    too) plus the part of the shorter that ``overlap`` leaves (``1 - overlap``), see [Note:
+    overlap on a CPU backend]."""
+    work = float(a.linear @ coefficients)
+    if not a.overlapped:
+        return work + _transfer_seconds(a, send_rate, efficiency)
+    update = float(a.linear[LINEAR.index("sharded_parameters")] * coefficients[LINEAR.index("sharded_parameters")])
+    return overlapped_step(work + float(a.sent.sum()) / send_rate, float(a.link_seconds.sum()) / efficiency + update,
+                           overlap)
 
 
 @dataclass(frozen=True)
@@ -95,6 +124,9 @@ class Fit:
     """(predicted - measured) / measured of every measurement fitted."""
     serial_cost: Mapping[str, float] = field(default_factory=dict)
     """The measured relative cost per sent byte of each collective (``Machine.serial_cost``)."""
+    overlap: float = 1.0
+    """The part of the shorter of CPU and link time that runs beside the other in steps with
+    zeropp's ``overlap`` (``Machine.threads_overlap``; 1 where no such step was fitted)."""
 
     def machine(self, topology: Topology, link_bytes_per_s: float | None, name: str = "emulated cluster") -> Machine:
         """The fitted cluster at one link rate, for ``zeropp.tools.plan.cost``."""
@@ -105,12 +137,11 @@ class Fit:
                        intra_node_bytes_per_s=inf, latency_s=per_call, flops_per_s=_inverse(per_flop),
                        activation_s_per_element=per_activation, codec_elements_per_s=_inverse(per_element),
                        overlap=0.0, serial_bytes_per_s=self.send_bytes_per_s, update_s_per_parameter=per_parameter,
-                       serial_cost=dict(self.serial_cost), backend="gloo")
+                       serial_cost=dict(self.serial_cost), backend="gloo", threads_overlap=self.overlap)
 
     def predict(self, m: Measurement) -> float:
-        a = amounts(m, self.serial_cost)
-        return float(a.linear @ np.array(self.coefficients)) + _transfer_seconds(a, self.send_bytes_per_s,
-                                                                                 self.link_efficiency)
+        return _step_seconds(amounts(m, self.serial_cost), np.array(self.coefficients), self.send_bytes_per_s,
+                             self.link_efficiency, self.overlap)
 
 
 def _inverse(x: float) -> float:
@@ -132,18 +163,25 @@ def _linear_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coefficients
 
 
+OVERLAPS = np.linspace(0.0, 1.0, 101)
+"""The overlap fractions searched for steps with ``overlap``."""
+
+
 def fit(measurements: Sequence[Measurement], serial_cost: Mapping[str, float] | None = None) -> Fit:
     """The constants that best explain ``measurements``, see [Note: calibration]; ``serial_cost``:
     each collective's measured cost per sent byte relative to the rest (``Machine.serial_cost``;
-    one rate for all without it)."""
+    one rate for all without it). The steps without ``overlap`` give the seven constants; then
+    those with it, if any, give the one fraction of [Note: overlap on a CPU backend]."""
     serial_cost = dict(serial_cost or {})
-    if len(measurements) < len(LINEAR) + 2:
-        raise ValueError(f"calibration needs at least {len(LINEAR) + 2} measured steps (one per constant), "
-                         f"got {len(measurements)}")
+    plain = [m for m in measurements if not overlapped(m)]
+    if len(plain) < len(LINEAR) + 2:
+        raise ValueError(f"calibration needs at least {len(LINEAR) + 2} measured steps without overlap (one per "
+                         f"constant), got {len(plain)}")
     y = np.array([m.step_s for m in measurements])
     if not np.all(np.isfinite(y)) or np.any(y <= 0):
         raise ValueError(f"measured step times must be positive and finite, got {y.tolist()}")
-    steps = [amounts(m, serial_cost) for m in measurements]
+    y = np.array([m.step_s for m in plain])
+    steps = [amounts(m, serial_cost) for m in plain]
     x = np.stack([a.linear for a in steps]) / y[:, None]
 
     def solve(send_rate: float, efficiency: float) -> tuple[float, np.ndarray]:
@@ -159,6 +197,11 @@ def fit(measurements: Sequence[Measurement], serial_cost: Mapping[str, float] | 
         rates = rate * np.logspace(-1, 1, 21, base=rate_step)
         efficiencies = efficiency + np.linspace(-1, 1, 21) * efficiency_step
     _, coefficients = solve(rate, efficiency)
-    fitted = Fit(tuple(float(c) for c in coefficients), float(rate), float(efficiency), (), serial_cost)
+    with_overlap = [(amounts(m, serial_cost), m.step_s) for m in measurements if overlapped(m)]
+    overlap = 1.0
+    if with_overlap:
+        overlap = float(min(OVERLAPS, key=lambda o: sum(
+            (_step_seconds(a, coefficients, rate, efficiency, o) / step_s - 1) ** 2 for a, step_s in with_overlap)))
+    fitted = Fit(tuple(float(c) for c in coefficients), float(rate), float(efficiency), (), serial_cost, overlap)
     errors = tuple((fitted.predict(m) - m.step_s) / m.step_s for m in measurements)
-    return Fit(fitted.coefficients, fitted.send_bytes_per_s, fitted.link_efficiency, errors, serial_cost)
+    return replace(fitted, relative_errors=errors)

@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=[Path(f"benchmarks/results/plan/bench_step_{size}/bench_step.json")
                                  for size in ("4x256", "6x384")])
     parser.add_argument("--validation-records", type=Path, nargs="+",
-                        default=[Path("benchmarks/results/plan/bench_step_8x512/bench_step.json")])
+                        default=[Path("benchmarks/results/bench_step.json")])  # the headline run, 25M GPT
     parser.add_argument("--collective-rates", type=Path, default=None,
                         help="with --calibrate: benchmarks/collective_rates.py's JSON, to price each collective's "
                              "bytes at its own measured rate (default: one fitted rate for all)")

@@ -33,6 +33,19 @@ and its device-to-host copy its reduce-scatter ([Note: CPU offload in a step] in
 ``zeropp.tools.plan.offload``); with the optimizer on the host its copies follow backward, outside
 this schedule ([Note: the optimizer on the host in a step] there). Tensor parallel's all-reduces
 sit between a unit's products, which wait for them: they join the unit's compute in its slot.
+
+[Note: overlap on a CPU backend]
+zeropp's ``overlap`` on gloo issues each collective on the backend's threads and waits for it
+where its result is needed: gathers two units ahead, the next step's first gathers as soon as the
+optimizer has stepped, qgZ's slices as a pipeline and its cross-node hop during the next unit's
+backward, HSDP's replica reduction beside backward. The CPU stays one resource, whose work adds
+up (compute, codec, each call's cost and the sends' CPU time); the link is the other, which
+carries every cross-node byte and is idle while the optimizer steps (the next step's gathers
+start after it, its last reductions end before it). The step takes the longer of the two, plus
+the part of the shorter that does not run beside it (``1 - Machine.threads_overlap``): the
+backend's sending threads wait for a core that compute holds, and the link waits for them.
+``zeropp plan --calibrate`` fits that fraction on the small models' steps with ``overlap``
+(0.7-0.8 on two cores for four ranks; docs/results.md, "The link busy for the whole step").
 """
 
 from __future__ import annotations
@@ -96,6 +109,9 @@ class Machine:
     reduce-scatters, measured by ``benchmarks/collective_rates.py``."""
     update_s_per_parameter: float = 0.0
     """The optimizer's time per sharded parameter it updates."""
+    threads_overlap: float = 1.0
+    """On a CPU backend with zeropp's ``overlap``: the part of the shorter of the CPU's work and
+    the link's time that runs beside the other ([Note: overlap on a CPU backend])."""
     backend: str = "nccl"
     host_device_bytes_per_s: float = 25e9
     """One rank's copies between pinned host memory and its device, each direction (CPU
@@ -253,7 +269,34 @@ def step_time(model: ModelShape, config: ZeroPPConfig | None, topology: Topology
     backward = [c * (1 - forward_share) + tp["backward"] for c, tp in zip(compute, tensor_parallel)]
     step = _overlapped(forward, backward, comm, machine.overlap) + pageable
     optimizer = sharded_parameters(model, config, topology, layout) * machine.update_s_per_parameter
+    if config is not None and config.overlap and machine.backend == "gloo":
+        # [Note: overlap on a CPU backend]: the CPU's work against the link's
+        transfers = [t for unit in [*per_unit, *between_products] for t in unit]
+        cpu = sum(compute) + sum(_cpu_seconds(t, machine) for t in transfers) + optimizer
+        link = sum(_link_seconds(t, topology, machine) for t in transfers) + optimizer
+        step = overlapped_step(cpu, link, machine.threads_overlap) - optimizer + pageable
     return StepTime(step + optimizer, sum(compute), optimizer, total_comm, cross, host_copy)
+
+
+def overlapped_step(cpu_s: float, link_s: float, overlap: float) -> float:
+    """A step whose collectives run beside the CPU's work ([Note: overlap on a CPU backend]):
+    the longer of the two, plus the part of the shorter that does not overlap."""
+    return max(cpu_s, link_s) + (1 - overlap) * min(cpu_s, link_s)
+
+
+def _cpu_seconds(t: Transfer, machine: Machine) -> float:
+    """The CPU's share of ``t`` on a CPU backend: its call, its sends and its codec work."""
+    if t.group_size <= 1:
+        return 0.0
+    return (machine.latency_s + (t.group_size - 1) * machine.hop_latency_s + serial_seconds(t, machine)
+            + t.coded_elements / machine.codec_elements_per_s)
+
+
+def _link_seconds(t: Transfer, topology: Topology, machine: Machine) -> float:
+    """The links' share of ``t`` alone: the longer of its bytes over a rank's link inside the
+    node and over the node's link to the others."""
+    intra, inter = link_bytes(t, topology, machine.backend)
+    return max(intra / machine.intra_node_bytes_per_s, inter / machine.inter_node_bytes_per_s)
 
 
 def _add_host_copies(comm: list[dict[str, float]], model: ModelShape, config: ZeroPPConfig | None,

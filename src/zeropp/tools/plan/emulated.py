@@ -4,7 +4,8 @@ measured steps, then predict ``zeropp bench step`` of the 25M GPT, every mode an
 The measurements are ``zeropp bench step`` records (``bench_step.json``): the calibration jobs
 train GPTs of 4 x 256 and 6 x 384 (short steps; two sizes, so that compute splits into its
 FLOPs and its elementwise work, see [Note: calibration]), the validation job the 25M GPT
-(8 x 512), which the fit never sees. With ``benchmarks/collective_rates.py``'s JSON each
+(8 x 512), which the fit never sees; steps with zeropp's ``overlap`` add one constant ([Note:
+overlap on a CPU backend]). With ``benchmarks/collective_rates.py``'s JSON each
 collective's bytes are priced at its own measured cost per byte (``serial_cost``). Results:
 ``plan_calibration.json`` and ``.png``.
 """
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from zeropp.config import ZeroPPConfig
 from zeropp.setup.topology import Topology
 from zeropp.tools.cluster.netns import parse_bandwidth
 from zeropp.tools.models import GPTConfig
@@ -53,7 +55,9 @@ def measurements(bench_step: dict[str, Any]) -> list[Measurement]:
         mode = MODES[record["mode"]]
         if mode.system is System.DEEPSPEED:
             continue
-        zeropp_config = None if mode.system is System.HSDP else mode.config(topology.ranks_per_node)
+        zeropp_config = mode.config(topology.ranks_per_node)
+        if mode.system is System.HSDP and zeropp_config == ZeroPPConfig():
+            zeropp_config = None  # FSDP2's own HSDP, the plan's convention (``layout.layout_for``)
         rate = parse_bandwidth(record["bandwidth"])
         out.append(Measurement(model=shape, config=zeropp_config, workload=workload, topology=topology,
                                link_bytes_per_s=None if rate is None else rate / 8, step_s=record["median_step_s"],
@@ -103,6 +107,7 @@ def calibrate(calibration: Sequence[dict[str, Any]], validation: Sequence[dict[s
             "update_s_per_parameter": constants["sharded_parameters"],
             "send_bytes_per_s": fitted.send_bytes_per_s,
             "link_efficiency": fitted.link_efficiency,
+            "threads_overlap": fitted.overlap,
         },
         "serial_cost": weights,
         "fitted": compare(fitted, fitted_on),
