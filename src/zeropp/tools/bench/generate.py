@@ -176,7 +176,8 @@ def run(out_dir: str = "benchmarks/results", *, bandwidths: tuple[str, ...] = BA
     from zeropp.tools.cluster import launch
 
     config = config or GenerateConfig(modes=GENERATE_MODES + (("deepspeed",) if deepspeed_available() else ()))
-    results: dict[str, Any] = {"machine": machine_info(torch.device("cpu")), "config": asdict(config), "bandwidths": {}}
+    results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "machine": machine_info(torch.device("cpu")),
+                               "config": asdict(config), "bandwidths": {}}
     for bandwidth in bandwidths:
         limit = None if bandwidth == "unlimited" else bandwidth
         with exclusive_cluster(NUM_NODES, limit), tempfile.TemporaryDirectory(prefix="zeropp-generate-") as folder:
