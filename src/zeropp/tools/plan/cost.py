@@ -183,11 +183,7 @@ def transfer_seconds(t: Transfer, topology: Topology, machine: Machine) -> float
     """One collective's time on ``machine``, codec work included."""
     if t.group_size <= 1:
         return 0.0
-    intra, inter = link_bytes(t, topology, machine.backend)
-    link = max(intra / machine.intra_node_bytes_per_s, inter / machine.inter_node_bytes_per_s,
-               serial_seconds(t, machine))
-    return (machine.latency_s + (t.group_size - 1) * machine.hop_latency_s + link
-            + t.coded_elements / machine.codec_elements_per_s)
+    return _call_seconds(t, machine) + max(_link_seconds(t, topology, machine), serial_seconds(t, machine))
 
 
 @dataclass(frozen=True)
@@ -285,12 +281,15 @@ def overlapped_step(cpu_s: float, link_s: float, overlap: float) -> float:
     return max(cpu_s, link_s) + (1 - overlap) * min(cpu_s, link_s)
 
 
-def _cpu_seconds(t: Transfer, machine: Machine) -> float:
-    """The CPU's share of ``t`` on a CPU backend: its call, its sends and its codec work."""
-    if t.group_size <= 1:
-        return 0.0
-    return (machine.latency_s + (t.group_size - 1) * machine.hop_latency_s + serial_seconds(t, machine)
+def _call_seconds(t: Transfer, machine: Machine) -> float:
+    """What ``t`` costs besides moving its bytes: the call, its peers' hops and its codec work."""
+    return (machine.latency_s + (t.group_size - 1) * machine.hop_latency_s
             + t.coded_elements / machine.codec_elements_per_s)
+
+
+def _cpu_seconds(t: Transfer, machine: Machine) -> float:
+    """The CPU's share of ``t`` on a CPU backend: its call, its codec work and its sends."""
+    return _call_seconds(t, machine) + serial_seconds(t, machine) if t.group_size > 1 else 0.0
 
 
 def _link_seconds(t: Transfer, topology: Topology, machine: Machine) -> float:
