@@ -154,14 +154,15 @@ def results_table(root: Path) -> str:
 
 
 def accuracy_table(root: Path) -> str:
-    """The pretrained grid's verdict, one row per mode, from ``accuracy_pretrained/verdict.json``."""
+    """The pretrained grid's verdict, one row per mode measured on several seed pairs (so with an
+    interval), from ``accuracy_pretrained/verdict.json``; single-seed rows are in docs/results.md."""
     path = root / RESULTS / "accuracy_pretrained" / "verdict.json"
     if not path.exists():
         return f"(not measured yet: `{RESULTS / 'accuracy_pretrained' / 'verdict.json'}` is missing)"
     lines = ["| mode | pairs | Δ held-out loss vs ZeRO-3 | 95% interval | the control on the same seeds | "
              "through qwZ's gathers |", "|---|---:|---:|---|---|---:|"]
     for row in json.loads(path.read_text()):
-        if row["mode"] == "zero3_order":
+        if row["mode"] == "zero3_order" or row["ci95_percent"] is None:
             continue
         interval = "—" if row["ci95_percent"] is None else "[{:+.2f}, {:+.2f}]".format(*row["ci95_percent"])
         control = "—" if row["control_ci95_percent"] is None else (
