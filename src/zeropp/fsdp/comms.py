@@ -391,18 +391,20 @@ def finish_unfinished() -> None:
 class DecodeOnWait(dist.Work):
     """A gather in flight (FSDP2 asked for ``async_op``): waiting for it waits for the payload,
     then decodes it into FSDP2's output, so the transfer overlaps whatever runs between the call
-    and the wait, and FSDP2 reads weights as it would from a plain gather."""
+    and the wait, and FSDP2 reads weights as it would from a plain gather. The payload is let go
+    once decoded: FSDP2 holds this work through its copy-out into the unsharded weights, where a
+    gather that waited at once has freed it already."""
 
     def __init__(self, work: dist.Work, decode: Callable[[], None]) -> None:
         super().__init__()
-        self._work, self._decode = work, decode
-        self._done = False
+        self._work: dist.Work | None = work
+        self._decode: Callable[[], None] | None = decode
 
     def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
-        if not self._done:
+        if self._work is not None and self._decode is not None:
             self._work.wait()
             self._decode()
-            self._done = True
+            self._work = self._decode = None
         return True
 
 
