@@ -142,3 +142,25 @@ def test_gathers_after_the_step_under_the_hf_trainer_change_no_bit(tmp_path) -> 
         on, off = r["losses"]
         assert len(on) == 4 and on == off and r["params_equal"]
         assert r["counts"]["taken"] > 0 and r["counts"]["dropped"] <= r["counts"]["taken"], r["counts"]
+
+
+@pytest.mark.slow
+def test_a_job_that_ends_after_a_step_exits_cleanly(tmp_path) -> None:
+    """The README's plain loop with ``overlap``: its last optimizer step starts gathers that no
+    forward takes, still in the backend's threads when the script ends. Both ranks exit with 0
+    (zeropp waits for them at exit: a process that exits with a gloo collective running aborts)."""
+    import os
+    import subprocess
+    import sys
+
+    from test_packaging import readme_plain_loop
+
+    text = readme_plain_loop()
+    assert "quantized_gradients=True)" in text
+    script = tmp_path / "train.py"
+    script.write_text(text.replace("quantized_gradients=True)", "quantized_gradients=True, overlap=True)"))
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "ZEROPP_RANKS_PER_NODE": "2"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.stdout.count("README loop done") == 2

@@ -143,11 +143,13 @@ def _hpz_vs_zero3_worker(rank: int, world_size: int, kind: str, steps: int) -> d
         for step in range(steps):
             x, y = (rows(t, rank, world_size) for t in global_batch(step, 8))
             model(x, y)[1].backward()
+            if step == steps - 1:  # the steps' gathers, not those the last step starts for a next forward
+                summary, secondary = ledger.summary(), secondary_copy_bytes(model)
+                backward_gathers = ledger.summary(phase="backward", op="all_gather")
             opt.step()
             opt.zero_grad()
             params.append({n: p.full_tensor() for n, p in model.named_parameters()})
-        runs[name] = {"params": params, "ledger": ledger.summary(), "secondary": secondary_copy_bytes(model),
-                      "backward_gathers": ledger.summary(phase="backward", op="all_gather")}
+        runs[name] = {"params": params, "ledger": summary, "secondary": secondary, "backward_gathers": backward_gathers}
     errors = [_max_rel(h, z) for h, z in zip(runs["hpz"]["params"], runs["zero3"]["params"])]
     padded = sum(n for m in model.modules() if isinstance(m, FSDPModule)
                  for n in unit_layout(m).padded_numels)

@@ -189,6 +189,12 @@ def test_replicas_buffers_counted_by_hand() -> None:
     assert unit.reducing == 4 * row * 4 + row * 4 + max(2 * 3 * packed, 3 * packed + 2 * row * 4, 5 * packed)
     plain = memory.unit_bytes(block, model, None, topology, PRECISION, 0, (1, 64), last=False)
     assert plain.reducing == 0 and replace(unit, reducing=0) == plain
+    # with ``overlap``, beside the next unit's backward: the rows, the reduced row and the
+    # exchange's packed rows; beside the one after: the rows and the all-gather's
+    overlapped = memory.unit_bytes(block, model, MODES["hsdp_quantized_overlap"].config(2), topology, PRECISION, 0,
+                                   (1, 64), last=False, layout=HSDP)
+    assert (unit.late, unit.later) == (0, 0)
+    assert (overlapped.late, overlapped.later) == (4 * row * 4 + row * 4 + 2 * 3 * packed, 4 * row * 4 + 5 * packed)
 
 
 def test_tensor_parallel_divides_the_sharded_state_by_its_degree() -> None:

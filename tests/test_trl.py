@@ -76,7 +76,9 @@ def _datasets():
 
 
 class _ForwardLog:
-    """Each root forward's cross-node all-gather bytes (this rank), whether it ran inside
+    """Each root forward's cross-node all-gather bytes (this rank), counted from the end of the
+    forward before it (``overlap``, the default, starts the next forward's first gathers when the
+    optimizer step ends: they belong to the forward that takes them), whether it ran inside
     ``generate`` and whether grad was enabled."""
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -84,7 +86,6 @@ class _ForwardLog:
 
         self.ledger, self.records, self.generating = zeropp.comm_ledger(), [], False
         self.before = 0
-        model.register_forward_pre_hook(lambda *_: self._start(), prepend=True)
         model.register_forward_hook(lambda *_: self._end())
         generate = model.generate
 
@@ -101,11 +102,10 @@ class _ForwardLog:
     def _cross_node(self) -> int:
         return self.ledger.summary(op="all_gather")["total"]["cross_node_bytes"]
 
-    def _start(self) -> None:
-        self.before = self._cross_node()
-
     def _end(self) -> None:
-        self.records.append((self.generating, torch.is_grad_enabled(), self._cross_node() - self.before))
+        now = self._cross_node()
+        self.records.append((self.generating, torch.is_grad_enabled(), now - self.before))
+        self.before = now
 
 
 def _train(trainer, model: torch.nn.Module) -> dict:

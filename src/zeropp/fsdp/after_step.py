@@ -23,11 +23,14 @@ forward (DCP's ``get_state_dict`` steps an optimizer with zero gradients to buil
 starts nothing; units not resharded (a unit kept whole) and units whose shards live on the host
 (``offload="cpu"``) are skipped, as their forward does not gather from the device shards. What it costs: the
 payloads of those few units held from the step to the forward, which the forward would hold a
-moment later anyway.
+moment later anyway. A job that ends after a step leaves them in flight: at exit zeropp waits
+for them (an ``atexit`` hook), as a process that exits with a gloo collective still running in
+the backend's threads is aborted.
 """
 
 from __future__ import annotations
 
+import atexit
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -57,6 +60,15 @@ def gather_after_step(model: nn.Module, units: AheadUnits | None) -> None:
     _MODELS[model] = (frozenset(id(p) for p in model.parameters()), units)
     if _hook is None:
         _hook = register_optimizer_step_post_hook(_after_step)
+        atexit.register(_wait_at_exit)
+
+
+def _wait_at_exit() -> None:
+    """Wait for the gathers a last step started ([Note: gathers after the step])."""
+    for _, units in list(_MODELS.values()):
+        for _, all_gather in units():
+            if isinstance(all_gather, GatherAhead):
+                all_gather.wait_ahead()
 
 
 def steps_in_backward(optimizer: torch.optim.Optimizer) -> None:

@@ -136,7 +136,7 @@ def gather_chunk_dtype(planned: UnitPlan) -> torch.dtype:
     return planned.layout.gather_dtypes[0] if len(dtypes) == 1 else torch.uint8
 
 
-_FORWARD_AHEAD = 2
+FORWARD_AHEAD = 2
 """Units gathered ahead of the one computing, in forward ([Note: prefetch])."""
 
 
@@ -162,10 +162,10 @@ def prefetch_neighbours(model: FSDPModule) -> None:
     blocks = [unit for unit in fsdp_units(model) if unit is not model]
     if not blocks:
         return
-    model.set_modules_to_forward_prefetch(blocks[:_FORWARD_AHEAD])
+    model.set_modules_to_forward_prefetch(blocks[:FORWARD_AHEAD])
     model.set_modules_to_backward_prefetch(blocks[-1:])
     for i, block in enumerate(blocks):
-        block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + _FORWARD_AHEAD])
+        block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + FORWARD_AHEAD])
         block.set_modules_to_backward_prefetch(blocks[i - 1:i] if i else [])
     set_unshard_async(model, True)
 
@@ -204,7 +204,7 @@ class ShardedComms:
         """The parameter groups the next forward gathers first (the root's and the blocks the
         root prefetches, [Note: prefetch]), each with its all-gather comm as installed then."""
         blocks = [unit for unit in fsdp_units(model) if unit is not model]
-        first = {id(model), *(id(block) for block in blocks[:_FORWARD_AHEAD])}
+        first = {id(model), *(id(block) for block in blocks[:FORWARD_AHEAD])}
         indices = [i for i, group in enumerate(self.units) if id(group.unit) in first]
         return lambda: [(self.units[i], self.all_gathers[i]) for i in indices]
 

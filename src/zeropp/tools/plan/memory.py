@@ -30,8 +30,8 @@ walks the units:
 
 A root that holds parameters is gathered first and stays whole to the end of backward (FSDP2
 does not reshard the root after forward), its gradients held from the first to its
-reduce-scatter. The peak is the largest moment, broken down as it stands then. Not modelled:
-error feedback's residuals, ``overlap``'s prefetching and late reduce-scatters, and the
+reduce-scatter. The peak is the largest moment, broken down as it stands then. With
+``overlap``, see [Note: overlap's memory]. Not modelled: error feedback's residuals, and the
 allocator's own slack (FSDP2's tracker counts tensor storages, so it is not in the
 measurement either). With activation checkpointing a block saves its input only and recomputes
 its activations in its backward. CPU offload takes the shards, the gradient shards and AdamW's
@@ -45,6 +45,24 @@ parallel rank holds: shards, gradients, AdamW's states and gathered units are 1/
 same shard group would hold of the whole model. The activations are those of the t x batch
 sequences of the tensor parallel group, of which the split layers keep 1/t
 (``ModelShape.block_activation_bytes``), the loss's logits split by vocabulary.
+
+[Note: overlap's memory]
+With ``overlap`` (``zeropp.setup.install``'s [Note: prefetch]) a step holds more at once: in
+forward each block's gather was started before it (by the root, or by the blocks before it:
+``FORWARD_AHEAD`` ahead), so while a block decodes and computes the next ``FORWARD_AHEAD``
+gathers are in flight, each holding what its collective holds (``gather_forward``); the root's
+and the first blocks' gathers start when the previous step's optimizer step ends, beside the
+gradients not yet zeroed (``after_step``), and the first blocks' are still in flight when the
+root waits for its own. In backward the unit prefetched is still in flight through the
+backward and reduce-scatter of the unit before it (what its collective holds, under qwZ the
+payloads beside the flat output; they are let go once decoded, before its copy-out). A unit's
+reduction finishes late ([Note: late reduce-scatter] in ``zeropp.fsdp.comms``): qgZ's last
+collective (the last slice's cross-node exchange, beside the partial rows it was coded from)
+stays in flight through the next unit's backward; quantized HSDP's replica exchange too, and its
+all-gather through the unit after that. The last units' are finished at the end of backward,
+after the root's reduction starts. Measured (``zeropp bench scale``, one rank of Llama-3-8B's
+2-layer slice): the plan 1.020x the peak at 64 ranks and 1.022x at 384, and 1.013x on the
+narrow Llama at 384 (docs/measurements.md).
 
 [Note: qgZ's buffers]
 qgZ runs over column slices of the W rows of S elements (``ZeroPPConfig.grad_slice_bytes``: s
@@ -81,6 +99,7 @@ import torch
 
 from zeropp.codes.codec import payload_bytes, segments_for
 from zeropp.config import ZeroPPConfig
+from zeropp.setup.install import FORWARD_AHEAD
 from zeropp.setup.topology import Topology
 from zeropp.tools.plan.layout import Layout, layout_for
 from zeropp.tools.plan.model import ModelShape, UnitShape
@@ -166,6 +185,12 @@ class UnitBytes:
     beside the flat all-gather output while it is copied in, before the forward gather."""
     copy_in_backward: float = 0.0
     """The same before the backward gather (0 where hpZ's secondary copy serves it)."""
+    late: float = 0.0
+    """With ``overlap``: what the reduce-scatter comm still holds while its last collective is in
+    flight, through the next unit's backward ([Note: overlap's memory])."""
+    later: float = 0.0
+    """With ``overlap``: what it holds through the backward of the unit after that (the
+    replicas' all-gather across nodes)."""
 
     @property
     def has_parameters(self) -> bool:
@@ -236,6 +261,34 @@ def _replica_bytes(chunk_numels: list[int], config: ZeroPPConfig, num_replicas: 
     return rows + max(cast, row.numel * 4 + max(exchange, gather))
 
 
+def _qgz_late_bytes(trainable: list[int], config: ZeroPPConfig, shard: Topology) -> float:
+    """qgZ's buffers while its last collective is in flight ([Note: overlap's memory]): the last
+    slice's cross-node exchange (its packed rows sent and received, beside the partial rows they
+    were coded from), or on one node its intra-node exchange."""
+    world, nodes, per_node = shard.world_size, shard.num_nodes, shard.ranks_per_node
+    chunk = sum(trainable) // world
+    columns = chunk if config.grad_slice_bytes is None else min(chunk, max(1, config.grad_slice_bytes // (4 * world)))
+    grouped = config.gradient_code.grouped_scales
+
+    def packed_row(bits: int) -> float:
+        segments = segments_for(trainable, [True] * len(trainable), world, bits, grouped_scales=grouped)
+        return payload_bytes(segments, config.gradient_block_size, torch.float32) * columns / chunk
+
+    if nodes > 1:
+        return 2 * (nodes - 1) * packed_row(config.grad_bits_inter) + (nodes * columns * 4 if per_node > 1 else 0.0)
+    return 2 * (world - nodes) * packed_row(config.grad_bits_intra) if per_node > 1 else 0.0
+
+
+def _replica_late_bytes(chunk_numels: list[int], config: ZeroPPConfig, num_replicas: int) -> tuple[float, float]:
+    """The replicas' reduction beside backward ([Note: the replicas' reduction beside backward]):
+    through the next unit's backward the R rows, the reduced row and the exchange's packed rows
+    sent and received; through the one after, the R rows and the all-gather's packed rows."""
+    row = replica_row(chunk_numels, config, num_replicas)
+    rows = num_replicas * row.numel * 4
+    packed = (num_replicas - 1) * row.nbytes
+    return rows + row.numel * 4 + 2 * packed, rows + (1 + num_replicas) * row.nbytes
+
+
 def unit_bytes(unit: UnitShape, model: ModelShape, config: ZeroPPConfig | None, topology: Topology,
                precision: Precision, rank: int, tokens: tuple[int, int], last: bool,
                checkpointing: bool = False, layout: Layout | None = None) -> UnitBytes:
@@ -290,6 +343,12 @@ def _part_bytes(unit: UnitShape, shard: Topology, index: int, model: ModelShape,
     if config is not None and config.quantized_replica_gradients and replicas > 1 and trainable:
         chunks = [n // shard_size for n in trainable]
         reducing = max(reducing, _replica_bytes(chunks, config, replicas, precision.reduce_dtype))
+    late = later = 0.0
+    if config is not None and config.overlap and trainable:
+        if config.quantized_replica_gradients and replicas > 1:
+            late, later = _replica_late_bytes([n // shard_size for n in trainable], config, replicas)
+        elif config.quantized_gradients:
+            late = _qgz_late_bytes(trainable, config, shard)
     copy_in = sum(padded) / shard_size * gather_dtype.itemsize if offloads_shards(config) else 0.0
     return UnitBytes(
         name=unit.name,
@@ -312,6 +371,8 @@ def _part_bytes(unit: UnitShape, shard: Topology, index: int, model: ModelShape,
         largest_local=max((n for n, t in zip(local, unit.trainable) if t), default=0) * PARAMETER_BYTES,
         copy_in=copy_in,
         copy_in_backward=copy_in if backward_gathers_from_shard(config, topology) else 0.0,
+        late=late,
+        later=later,
     )
 
 
@@ -334,61 +395,80 @@ class _Timeline:
             self.peak = now
 
 
-def _forward(timeline: _Timeline, blocks: list[UnitBytes]) -> None:
+def _forward(timeline: _Timeline, blocks: list[UnitBytes], ahead: int) -> None:
+    """The blocks' forward; with ``ahead`` (``overlap``) each block's gather was started before
+    it (by the root or the blocks before), and the next ``ahead`` are in flight while it computes
+    ([Note: overlap's memory])."""
     held = timeline.held
-    for unit in blocks:
+
+    def in_flight(first: int, last: int) -> float:
+        return sum(unit.gather_forward for unit in blocks[first:last])
+
+    for i, unit in enumerate(blocks):
+        started = in_flight(i + 1, i + ahead)  # issued before this block's wait
         if unit.copy_in:
-            timeline.moment(f"forward copy-in {unit.name}", gathered=unit.whole + unit.copy_in)
-        timeline.moment(f"forward gather {unit.name}", gathered=unit.gather_forward)
-        timeline.moment(f"forward copy-out {unit.name}", gathered=2 * unit.whole)
-        timeline.moment(f"forward {unit.name}", gathered=unit.whole, activations=unit.activations + unit.loss)
+            timeline.moment(f"forward copy-in {unit.name}", gathered=unit.whole + unit.copy_in + started)
+        timeline.moment(f"forward gather {unit.name}", gathered=unit.gather_forward + started)
+        timeline.moment(f"forward copy-out {unit.name}", gathered=2 * unit.whole + started)
+        started = in_flight(i + 1, i + 1 + ahead)  # and this block's own prefetch
+        timeline.moment(f"forward {unit.name}", gathered=unit.whole + started,
+                        activations=unit.activations + unit.loss)
         held["activations"] += unit.activations
         if unit.secondary:
-            timeline.moment(f"forward reshard {unit.name}", gathered=unit.whole, secondary_copy=unit.secondary)
+            timeline.moment(f"forward reshard {unit.name}", gathered=unit.whole + started,
+                            secondary_copy=unit.secondary)
             held["secondary_copy"] += unit.secondary
 
 
-def _reduce(timeline: _Timeline, unit: UnitBytes, prefetched: float) -> None:
-    """A unit's reduce-scatter: its input filled from the gradients, then the comm's buffers."""
+def _reduce(timeline: _Timeline, unit: UnitBytes, prefetched: float, unfinished: float = 0.0) -> None:
+    """A unit's reduce-scatter: its input filled from the gradients, then the comm's buffers
+    (beside ``unfinished``: the units before it still reducing, with ``overlap``)."""
     if unit.reduce_input:
-        timeline.moment(f"reduce-scatter copy-in {unit.name}", gathered=prefetched, reduce_buffers=unit.reduce_input,
-                        gradients=unit.whole_gradients)
+        timeline.moment(f"reduce-scatter copy-in {unit.name}", gathered=prefetched,
+                        reduce_buffers=unit.reduce_input + unfinished, gradients=unit.whole_gradients)
         timeline.moment(f"reduce-scatter {unit.name}", gathered=prefetched,
-                        reduce_buffers=unit.reduce_input + unit.reducing, gradients=unit.gradient + unit.held_gradients)
+                        reduce_buffers=unit.reduce_input + unit.reducing + unfinished,
+                        gradients=unit.gradient + unit.held_gradients)
     if not timeline.shards_on_host:
         timeline.held["gradients"] += unit.gradient
 
 
-def _backward(timeline: _Timeline, blocks: list[UnitBytes]) -> None:
+def _backward(timeline: _Timeline, blocks: list[UnitBytes], overlap: bool) -> float:
     """The units' backward in reverse. A prefetched unit holds FSDP2's flat all-gather output
     until its own backward starts; its copy-out into the unsharded weights, and the release of
-    its secondary copy, happen then."""
+    its secondary copy, happen then. With ``overlap`` its gather is still in flight until then
+    (what the collective holds: under qwZ the payloads beside the flat output), and the last
+    units' reductions are still in flight ([Note: overlap's memory]): returns what they hold as
+    backward reaches the root."""
     held = timeline.held
     pending = 0.0  # the previous unit's reduce-scatter input, which FSDP2 keeps until the next one
     order = blocks[::-1]
     for i, unit in enumerate(order):
+        unfinished = (order[i - 1].late if i >= 1 else 0.0) + (order[i - 2].later if i >= 2 else 0.0)
         if i == 0:
             if unit.copy_in_backward:
                 timeline.moment(f"backward copy-in {unit.name}", gathered=unit.whole + unit.copy_in_backward)
             timeline.moment(f"backward gather {unit.name}", gathered=unit.gather_backward)
-        timeline.moment(f"backward copy-out {unit.name}", gathered=2 * unit.whole, reduce_buffers=pending)
+        timeline.moment(f"backward copy-out {unit.name}", gathered=2 * unit.whole, reduce_buffers=pending + unfinished)
         held["secondary_copy"] -= unit.secondary
         after = order[i + 1] if i + 1 < len(order) else None
-        prefetched = after.whole if after is not None else 0.0
+        prefetched = 0.0 if after is None else after.gather_backward if overlap else after.whole
         if after is not None and after.copy_in_backward:
             timeline.moment(f"backward prefetch copy-in {after.name}",
-                            gathered=unit.whole + after.whole + after.copy_in_backward, reduce_buffers=pending)
+                            gathered=unit.whole + after.whole + after.copy_in_backward,
+                            reduce_buffers=pending + unfinished)
         if after is not None:
             timeline.moment(f"backward prefetch {after.name}", gathered=unit.whole + after.gather_backward,
-                            reduce_buffers=pending)
+                            reduce_buffers=pending + unfinished)
         if unit.loss_gradients:
             held["activations"] -= unit.activations
-        timeline.moment(f"backward {unit.name}", gathered=unit.whole + prefetched, reduce_buffers=pending,
+        timeline.moment(f"backward {unit.name}", gathered=unit.whole + prefetched, reduce_buffers=pending + unfinished,
                         gradients=unit.whole_gradients, activations=unit.loss_gradients + unit.recompute)
         if not unit.loss_gradients:
             held["activations"] -= unit.activations
-        _reduce(timeline, unit, prefetched)
+        _reduce(timeline, unit, prefetched, unfinished)
         pending = unit.reduce_input or pending
+    return (order[-1].late if order else 0.0) + (order[-2].later if len(order) >= 2 else 0.0)
 
 
 def rank_memory(model: ModelShape, config: ZeroPPConfig | None, topology: Topology, precision: Precision,
@@ -408,28 +488,33 @@ def rank_memory(model: ModelShape, config: ZeroPPConfig | None, topology: Topolo
     blocks = [u for u in blocks if u.has_parameters]
     timeline = _Timeline(sum(u.shard for u in units), sum(u.optimizer for u in units), config)
     held = timeline.held
+    ahead = FORWARD_AHEAD if config is not None and config.overlap else 0
+    started = sum(u.gather_forward for u in blocks[:ahead])  # with overlap, since the last step ended
     if root.has_parameters:  # gathered first, whole until the end of backward, its gradients from the loss on
         if root.copy_in:
-            timeline.moment(f"forward copy-in {root.name}", gathered=root.whole + root.copy_in)
-        timeline.moment(f"forward gather {root.name}", gathered=root.gather_forward)
-        timeline.moment(f"forward copy-out {root.name}", gathered=2 * root.whole)
+            timeline.moment(f"forward copy-in {root.name}", gathered=root.whole + root.copy_in + started)
+        timeline.moment(f"forward gather {root.name}", gathered=root.gather_forward + started)
+        timeline.moment(f"forward copy-out {root.name}", gathered=2 * root.whole + started)
         held["gathered"] += root.whole
-    _forward(timeline, blocks)
+    _forward(timeline, blocks, ahead)
     if root.has_parameters:
         held["activations"] += root.activations
         timeline.moment(f"loss {root.name}", activations=root.loss)
         held["gradients"] += root.whole_gradients
         if root.copy_in_backward:  # counted whole throughout, its backward gather copies its shard in again
             timeline.moment(f"backward copy-in {root.name}", gathered=root.copy_in_backward)
-    _backward(timeline, blocks)
+    unfinished = _backward(timeline, blocks, bool(ahead))
     if root.has_parameters:
         held["gathered"] -= root.whole
         held["gradients"] -= root.whole_gradients
         held["activations"] -= root.activations
-        _reduce(timeline, root, 0.0)
+        _reduce(timeline, root, 0.0, unfinished)
     largest = max((u.largest_local for u in units), default=0.0)
     if not timeline.optimizer_on_host:  # offloaded, AdamW steps on the host
         timeline.moment("optimizer step", activations=2 * largest)
+    if ahead:  # the next forward's first gathers, started when the step ends
+        first = [u for u in (root, *blocks[:ahead]) if u.has_parameters and not u.copy_in]
+        timeline.moment("after the step", gathered=sum(u.gather_forward for u in first))
     assert timeline.peak is not None
     return timeline.peak
 
