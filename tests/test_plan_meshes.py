@@ -182,8 +182,8 @@ def test_replicas_buffers_counted_by_hand() -> None:
     model = _llama(2048, 4096, 1024, 2048)
     topology = Topology(num_nodes=4, ranks_per_node=2)
     block = model.units[0]
-    unit = memory.unit_bytes(block, model, MODES["hsdp_quantized"].config(2), topology, PRECISION, 0, (1, 64),
-                             last=False, layout=HSDP)
+    serial = MODES["hsdp_quantized"].config(2, overlap=False)
+    unit = memory.unit_bytes(block, model, serial, topology, PRECISION, 0, (1, 64), last=False, layout=HSDP)
     row = sum(math.prod(s) for s in block.shapes) // 2 // 4
     packed = row * (0.5 + BLOCK_SCALE)
     assert unit.reducing == 4 * row * 4 + row * 4 + max(2 * 3 * packed, 3 * packed + 2 * row * 4, 5 * packed)

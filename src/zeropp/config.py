@@ -250,14 +250,14 @@ class ZeroPPConfig(_KeyedConfig):
     slice. The default keeps qgZ's peak within 2.5% of ZeRO-3's at Llama-3-8B's shapes on 64 and 384
     ranks (docs/results.md, "qgZ's memory") while each slice's all-to-all still moves megabytes.
     See zeropp.techniques.qgz [Note: qgZ slices]."""
-    overlap: bool = False
+    overlap: bool = True
     """Run communication beside compute where FSDP2 has no streams to do it (gloo on CPU): each
     unit gathers the next ones while it computes (FSDP2's explicit prefetching, asynchronous
     gathers, qwZ decoding when the gather is waited for), each reduce-scatter's cross-node part
     finishes while the next unit's backward computes (at the latest when backward ends), and the
     next forward's first gathers start when the optimizer step ends. Same bytes, same values bit
-    for bit; up to two more units' gathers in flight and one reduce-scatter. False (the default)
-    runs every collective in turn, as FSDP2 does on CPU (docs/decisions.md, "Overlap")."""
+    for bit; up to two more units' gathers in flight and one reduce-scatter. False runs every
+    collective in turn, as FSDP2 does on CPU (docs/decisions.md, "Overlap")."""
     hierarchical_gather: bool = False
     """qwZ: gather over the world in two hops, across nodes among the ranks of one local index,
     then inside the node: a node link carries (N - 1)/N of the payload instead of a ring's

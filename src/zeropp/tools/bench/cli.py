@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "narrow Llama at 384 and 1024 ranks (smoke run)")
     parser.add_argument("--modes", type=lambda text: parse_modes(text, MODES), default=None,
                         help=f"comm/step: comma-separated modes (default: {','.join(BENCH_MODES)}; step adds "
-                             "hsdp_quantized, all_overlap and 'deepspeed' when DeepSpeed is installed); scale: "
+                             "hsdp_quantized, all_serial and 'deepspeed' when DeepSpeed is installed); scale: "
                              "zeropp modes (default: zero3,qwz,hpz,qgz,all)")
     parser.add_argument("--bandwidths", type=lambda text: tuple(text.split(",")), default=None,
                         help="step: comma-separated inter-node rates (default: unlimited,1gbit,100mbit)")
