@@ -489,6 +489,11 @@ class GatherAhead:
             self._ahead[2][0].wait()
 
     @property
+    def started_ahead(self) -> bool:
+        """Whether a gather started ahead waits to be taken (the same on every rank)."""
+        return self._ahead is not None
+
+    @property
     def ahead_bytes(self) -> int:
         """Bytes held by a gather started ahead: its input and the buffer it gathers into."""
         if self._ahead is None:
