@@ -45,8 +45,8 @@ start after it, its last reductions end before it). The step takes the longer of
 the part of the shorter that does not run beside it (``1 - Machine.threads_overlap``): the
 backend's sending threads wait for a core that compute holds, and the link waits for them.
 ``zeropp plan --calibrate`` fits that fraction on the small models' steps with ``overlap``
-(0.86 on the emulated cluster's two cores for four ranks; docs/results.md, "The link busy for
-the whole step").
+(0.79 on the emulated cluster's two cores for four ranks; docs/results.md, "Calibrated on the
+emulated cluster").
 """
 
 from __future__ import annotations
