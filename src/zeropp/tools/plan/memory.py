@@ -93,6 +93,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -216,19 +217,26 @@ def _gather_bytes(padded: list[int], quantize: list[bool], group: int, config: Z
     return whole + (group + 1) * payload_bytes(segments, config.block_size, gather_dtype)
 
 
-def _qgz_bytes(trainable: list[int], config: ZeroPPConfig, shard: Topology) -> float:
-    """qgZ's buffers at their largest moment ([Note: qgZ's buffers]) over the shard group as
-    placed on nodes (``Layout.shard_group``)."""
-    world, nodes, per_node = shard.world_size, shard.num_nodes, shard.ranks_per_node
+def _qgz_slice(trainable: list[int], config: ZeroPPConfig, world: int) -> tuple[int, int, Callable[[int], float]]:
+    """qgZ's slice over a shard group of ``world`` ranks ([Note: qgZ's buffers]): the chunk's
+    elements, a slice's columns, and a slice's payload row at a bit width (the chunk's, in
+    proportion to the columns)."""
     chunk = sum(trainable) // world
     columns = chunk if config.grad_slice_bytes is None else min(chunk, max(1, config.grad_slice_bytes // (4 * world)))
     grouped = config.gradient_code.grouped_scales
 
     def packed_row(bits: int) -> float:
-        """A slice's payload row: the chunk's, in proportion to the columns."""
         segments = segments_for(trainable, [True] * len(trainable), world, bits, grouped_scales=grouped)
         return payload_bytes(segments, config.gradient_block_size, torch.float32) * columns / chunk
 
+    return chunk, columns, packed_row
+
+
+def _qgz_bytes(trainable: list[int], config: ZeroPPConfig, shard: Topology) -> float:
+    """qgZ's buffers at their largest moment ([Note: qgZ's buffers]) over the shard group as
+    placed on nodes (``Layout.shard_group``)."""
+    world, nodes, per_node = shard.world_size, shard.num_nodes, shard.ranks_per_node
+    chunk, columns, packed_row = _qgz_slice(trainable, config, world)
     slices = math.ceil(chunk / columns)
     first = (world - nodes) * packed_row(config.grad_bits_intra) if per_node > 1 else 0.0
     second = (nodes - 1) * packed_row(config.grad_bits_inter) if nodes > 1 else 0.0
@@ -266,14 +274,7 @@ def _qgz_late_bytes(trainable: list[int], config: ZeroPPConfig, shard: Topology)
     slice's cross-node exchange (its packed rows sent and received, beside the partial rows they
     were coded from), or on one node its intra-node exchange."""
     world, nodes, per_node = shard.world_size, shard.num_nodes, shard.ranks_per_node
-    chunk = sum(trainable) // world
-    columns = chunk if config.grad_slice_bytes is None else min(chunk, max(1, config.grad_slice_bytes // (4 * world)))
-    grouped = config.gradient_code.grouped_scales
-
-    def packed_row(bits: int) -> float:
-        segments = segments_for(trainable, [True] * len(trainable), world, bits, grouped_scales=grouped)
-        return payload_bytes(segments, config.gradient_block_size, torch.float32) * columns / chunk
-
+    _, columns, packed_row = _qgz_slice(trainable, config, world)
     if nodes > 1:
         return 2 * (nodes - 1) * packed_row(config.grad_bits_inter) + (nodes * columns * 4 if per_node > 1 else 0.0)
     return 2 * (world - nodes) * packed_row(config.grad_bits_intra) if per_node > 1 else 0.0
