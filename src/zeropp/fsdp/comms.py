@@ -69,13 +69,16 @@ class Recorder:
         self.ledger = ledger if ledger is not None else comm_ledger()
         self.unit = ""
         """The unit whose collectives these are (its path in the model), named when one fails."""
+        self.phase: str | None = None
+        """The phase its collectives are booked under ("backward" for a gradient reduction,
+        wherever it runs); None: the phase running ("backward" inside autograd's backward)."""
 
     def group_info(self, group: dist.ProcessGroup) -> GroupInfo:
         return group_info(self.topology, group)
 
     def record(self, op: Op, group: dist.ProcessGroup, bytes_per_peer: int, dtype: torch.dtype | str,
                technique: str) -> None:
-        self.ledger.record(op, self.group_info(group), bytes_per_peer, dtype, technique)
+        self.ledger.record(op, self.group_info(group), bytes_per_peer, dtype, technique, self.phase)
 
     def issue(self, op: Op, group: dist.ProcessGroup | None, technique: str,
               collective: Callable[[], dist.Work | None]) -> dist.Work | None:
@@ -277,10 +280,13 @@ class RecordedComm:
     """Shared by zeropp's FSDP2 comms: the technique its bytes are booked under, and a recorder."""
 
     technique = "fsdp"
+    phase: str | None = None
+    """The phase its bytes are booked under (``Recorder.phase``)."""
 
     def __init__(self, topology: Topology, ledger: CommLedger | None = None) -> None:
         self.topology = topology
         self.recorder = Recorder(topology, ledger)
+        self.recorder.phase = self.phase
 
     @property
     def ledger(self) -> CommLedger:
@@ -311,6 +317,10 @@ class LateReduceScatter(RecordedComm, ReduceScatter):
     caller next sees them. A backward pass that starts while another's work is unfinished (a
     reentrant checkpoint's inner backward, or one after a failed backward) finishes it first.
     """
+
+    phase = "backward"
+    """A gradient reduction belongs to backward even where it runs after it (a pipeline schedule
+    reduces a stage's gradients once its microbatches' backward passes are done, outside autograd)."""
 
     may_finish_late: Callable[[torch.dtype, dist.ReduceOp], bool] | None = None
     """Set by ``zeropp.shard`` with ``overlap``: whether a call with this reduce dtype and op may

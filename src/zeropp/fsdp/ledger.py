@@ -163,13 +163,15 @@ class CommLedger:
         bytes_per_peer: int,
         dtype: torch.dtype,
         technique: str,
+        phase: str | None = None,
     ) -> None:
-        """Count one collective in which this rank owes ``bytes_per_peer`` to each group peer."""
+        """Count one collective in which this rank owes ``bytes_per_peer`` to each group peer;
+        ``phase``: the phase it belongs to, when not the one running."""
         if self._suspended:
             return
         sent, cross = direct_sends(op, group, bytes_per_peer)
         backend_sent, backend_cross = group.backend_sends(op, bytes_per_peer, sent, cross)
-        key = _Key(op, group.kind, group.size, str(dtype).removeprefix("torch."), current_phase(), technique)
+        key = _Key(op, group.kind, group.size, str(dtype).removeprefix("torch."), phase or current_phase(), technique)
         self._totals[key].add(_Totals(1, sent, cross, backend_sent, backend_cross))
 
     def record_sends(self, op: Op, group: GroupInfo, bytes_to_each: list[int], remote: list[bool], dtype: torch.dtype,

@@ -34,12 +34,15 @@ The layouts, as torchtitan builds them under ``SPMD_BACKEND`` (world mesh unflat
   as parameter groups of one unit and each gets its own qwZ and qgZ over its own group
   (``zeropp.fsdp.access.CommGroup``). The tokens' all-to-alls stay torchtitan's, counted in the
   ledger as ``ep_tokens`` ([Note: expert parallelism's token exchanges]).
+- pipeline parallel (``pipeline_parallel_degree``): each stage's model part is parallelized as
+  above and gets qwZ and qgZ over its data-parallel group ([Note: pipeline parallel in torchtitan]).
 
 hpZ has nothing to keep where tensor parallel fills the node (one data-parallel rank per node)
 or under HSDP (the shard group is a node): there ``zeropp.enable`` refuses
 ``hpz_partition_size > 1`` by name (``llama3_debugmodel`` turns it on for several nodes, so take
 another config function there), and for the experts where a node holds one rank of their group.
-Context and pipeline parallelism are refused, each with its reason.
+hpZ is refused on a pipeline stage ([Note: hpZ under pipeline parallelism]). Context parallelism
+is refused, with its reason.
 """
 
 from __future__ import annotations
@@ -78,9 +81,32 @@ class ZeroPPParallelize:
 
     def __call__(self, model: nn.Module, **kwargs: Any) -> nn.Module:
         _check_parallelism(kwargs.get("parallelism"))
-        model = enable(self.parallelize_fn(model, **kwargs), self.config)
+        model = enable(self.parallelize_fn(model, **kwargs), self.config,
+                       pipeline_rank=pipeline_rank(kwargs.get("parallel_dims")))
         count_token_exchanges(model, Topology.from_env())
         return model
+
+
+def pipeline_rank(parallel_dims: Any) -> int | None:
+    """This rank's index on torchtitan's ``pp`` mesh, None without pipeline parallelism.
+
+    [Note: pipeline parallel in torchtitan]
+    torchtitan's ``pipeline_llm`` cuts the meta-device model into one part per stage (the first
+    holds the embedding, the last the norm and output head; a looped schedule gives each rank
+    several), calls the model spec's parallelize function on each part, and runs them with a
+    ``torch.distributed.pipelining`` schedule (1F1B, Interleaved1F1B, ...). ``with_zeropp``'s
+    parallelize function is that function, so every stage's units get qwZ and qgZ over the
+    stage's data-parallel group (the ranks of one pipeline rank: a 2-D layout, [Note: shard
+    groups on nodes]); ``zeropp.enable`` is told the pipeline rank, so ranks compare units only
+    with the ranks holding the same stages ([Note: pipeline stages]). The schedule turns
+    gradient sync off for every microbatch's backward and reduce-scatters each stage once, after
+    the last, by calling FSDP2's post-backward itself (outside autograd: the ledger still books
+    those reductions as backward's). The point-to-point sends of activations between stages are
+    the schedule's and are not counted. hpZ is refused on a stage ([Note: hpZ under pipeline
+    parallelism] in ``zeropp.setup.plan``)."""
+    if parallel_dims is None or not parallel_dims.pp_enabled:
+        return None
+    return parallel_dims.get_mesh("pp").get_local_rank()
 
 
 EXPERT_TOKENS = "ep_tokens"
@@ -140,11 +166,10 @@ def _counted(exchange: Callable[..., Any], dispatcher: Any, topology: Topology, 
 _REFUSED_PARALLELISMS = {
     "context_parallel_degree": "context parallel folds into the FSDP mesh (dp_shard_cp) and shards the "
                                "sequence, which no zeropp test has run",
-    "pipeline_parallel_degree": "pipeline parallel runs each stage's units over several microbatches without "
-                                "resharding, which zeropp's comms are not verified with",
 }
 """Parallelisms zeropp's comms are not verified with, and why (expert parallel, which gives
-routed experts their own FSDP mesh, is: each mesh's parameter group gets its comms)."""
+routed experts their own FSDP mesh, is: each mesh's parameter group gets its comms; pipeline
+parallel is: [Note: pipeline parallel in torchtitan])."""
 
 
 def _check_parallelism(parallelism: Any) -> None:
@@ -155,7 +180,7 @@ def _check_parallelism(parallelism: Any) -> None:
     wrong = [f"parallelism.{name}={getattr(parallelism, name)} ({why})" for name, why in _REFUSED_PARALLELISMS.items()
              if getattr(parallelism, name) != 1]
     if wrong:
-        raise ValueError(f"zeropp runs on FSDP2, tensor parallel, HSDP and expert parallel layouts; got "
+        raise ValueError(f"zeropp runs on FSDP2, tensor parallel, HSDP, expert and pipeline parallel layouts; got "
                          f"{'; '.join(wrong)}: set the degree to 1")
     if parallelism.spmd_backend != SPMD_BACKEND:
         raise ValueError(f"zeropp needs parallelism.spmd_backend={SPMD_BACKEND!r} (FSDP2 units on the data-parallel "

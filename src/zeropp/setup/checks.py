@@ -16,6 +16,15 @@ every rank raises the same ``ValueError``, naming the first entry that differs, 
 side and the ranks holding each. A view is an ordered list of (entry, value) pairs.
 The same exchange carries what each rank alone can see: the shard group of each unit on a 2-D
 mesh (a rank sees its own group only), from which every rank learns every shard group.
+
+[Note: pipeline stages]
+Under pipeline parallelism (``zeropp.enable(part, pipeline_rank=...)``, which torchtitan's
+``with_zeropp`` calls on each stage's model part) the ranks of different pipeline ranks hold
+different layers, so only the config and the topology are compared over the world; the units and
+the plan are compared among the ranks of the same pipeline rank, which hold the same stages (one
+or, with a looped schedule, several, enabled in the same order on each). Each enable is still one
+all-gather over the world, so every rank must enable as many model parts as the others: a
+pipeline schedule gives each rank the same number of stages.
 """
 
 from __future__ import annotations
@@ -45,17 +54,20 @@ def require_process_group(caller: str) -> None:
                            "dist.init_process_group (torchrun sets the environment for it) first")
 
 
-def check(plan: Plan, view: View) -> Plan:
+def check(plan: Plan, view: View, stage_view: View = ()) -> Plan:
     """The plan agreed by every rank ([Note: ranks that disagree]) and checked: the topology fits
-    the process group and the hosts, and nothing is refused. Returns it with every unit's shard
+    the process group and the hosts, and nothing is refused. ``view`` must be the same on every
+    rank; ``stage_view`` and the plan on every rank of the same pipeline rank (every rank without
+    pipeline parallelism: [Note: pipeline stages]). Returns the plan with every unit's shard
     groups (collective over the world: one small all-gather)."""
     local = [list(unit.shard_ranks) if unit.layout.shard_group_size != plan.topology.world_size else None
              for unit in plan.units]
-    hostnames, locals_ = agree([*view, *plan_view(plan)], json.dumps(local))
+    scope = "" if plan.pipeline_rank is None else str(plan.pipeline_rank)
+    agreed = agree(view, [*stage_view, *plan_view(plan)], scope, json.dumps(local))
     check_world_size(plan.topology)
-    check_hosts(plan.topology, hostnames)
+    check_hosts(plan.topology, agreed.hosts)
     plan.check()
-    every = [json.loads(entry) for entry in locals_]
+    every = [json.loads(entry) for entry, theirs in zip(agreed.locals, agreed.scopes) if theirs == scope]
     layouts = [None if mine is None else tuple(dict.fromkeys(tuple(ranks[i]) for ranks in every))
                for i, mine in enumerate(local)]
     return plan.with_shard_layouts(layouts)
@@ -96,30 +108,54 @@ def units_view(model: nn.Module) -> View:
     return view
 
 
-def agree(view: View, local: str = "") -> tuple[list[str], list[str]]:
-    """Check that every rank holds the same ``view`` (one all-gather of a digest, its host name
-    and ``local``: what this rank alone holds); return every rank's host name and ``local``, in
-    rank order. Raises the same ``ValueError`` on every rank otherwise."""
-    text = json.dumps(view)
-    digest = hashlib.sha256(text.encode()).hexdigest()
-    gathered = [entry.split("\n", 2) for entry in all_gather_strings(f"{digest}\n{socket.gethostname()}\n{local}")]
-    if len({digest for digest, _, _ in gathered}) > 1:
-        views = [[tuple(pair) for pair in json.loads(other)] for other in all_gather_strings(text)]
-        raise ValueError(describe_disagreement(views))
-    return [host for _, host, _ in gathered], [mine for _, _, mine in gathered]
+@dataclasses.dataclass(frozen=True)
+class Agreed:
+    """What the ranks' exchange returns, each in rank order."""
+
+    hosts: list[str]
+    scopes: list[str]
+    """Each rank's scope: ranks compare their stage views with those of the same scope."""
+    locals: list[str]
+    """What each rank alone holds (its units' shard groups)."""
 
 
-def describe_disagreement(views: Sequence[View]) -> str:
-    """The first entry on which the ranks' views differ, each value and the ranks holding it."""
+def agree(view: View, stage_view: View = (), scope: str = "", local: str = "") -> Agreed:
+    """Check that every rank holds the same ``view``, and every rank of the same ``scope`` (its
+    pipeline rank, or "" for all) the same ``stage_view``: one all-gather of two digests, the
+    host name, ``scope`` and ``local`` (what this rank alone holds). Raises the same
+    ``ValueError`` on every rank otherwise, naming the first entry that differs."""
+    texts = json.dumps(view), json.dumps(stage_view)
+    world, stage = (hashlib.sha256(text.encode()).hexdigest() for text in texts)
+    gathered = [entry.split("\n", 4)
+                for entry in all_gather_strings(f"{world}\n{stage}\n{socket.gethostname()}\n{scope}\n{local}")]
+    scopes = [theirs for _, _, _, theirs, _ in gathered]
+    stages: dict[str, set[str]] = {}
+    for _, digest, _, theirs, _ in gathered:
+        stages.setdefault(theirs, set()).add(digest)
+    differing = [theirs for theirs, digests in stages.items() if len(digests) > 1]
+    if len({digest for digest, *_ in gathered}) > 1 or differing:  # every rank sees it: all take this branch
+        views = [json.loads(other) for other in all_gather_strings(json.dumps([view, stage_view]))]
+        if len({digest for digest, *_ in gathered}) > 1:
+            raise ValueError(describe_disagreement([[tuple(pair) for pair in theirs[0]] for theirs in views]))
+        ranks = [rank for rank, theirs in enumerate(scopes) if theirs == differing[0]]
+        raise ValueError(describe_disagreement([[tuple(pair) for pair in views[rank][1]] for rank in ranks], ranks,
+                                               f" of pipeline rank {differing[0]}" if differing[0] else ""))
+    return Agreed([host for _, _, host, _, _ in gathered], scopes, [mine for *_, mine in gathered])
+
+
+def describe_disagreement(views: Sequence[View], ranks: Sequence[int] | None = None, where: str = "") -> str:
+    """The first entry on which the ranks' views differ, each value and the ranks holding it
+    (``ranks``: the global rank of each view, default its index; ``where``: which ranks these are)."""
     as_dicts = [dict(view) for view in views]
     keys = list(dict.fromkeys(key for view in views for key, _ in view))
     for key in keys:
         holders: dict[str, list[int]] = {}
-        for rank, entries in enumerate(as_dicts):
+        for rank, entries in zip(ranks if ranks is not None else range(len(views)), as_dicts):
             holders.setdefault(entries.get(key, "(absent)"), []).append(rank)
         if len(holders) > 1:
-            sides = "; ".join(f"{value} on {_ranks(ranks)}" for value, ranks in holders.items())
-            return (f"zeropp: the ranks disagree on {key}: {sides}. Every rank must shard the same model with "
+            sides = "; ".join(f"{value} on {_ranks(holding)}" for value, holding in holders.items())
+            same = "the same pipeline stages" if where else "the same model"
+            return (f"zeropp: the ranks{where} disagree on {key}: {sides}. Every rank must shard {same} with "
                     "the same ZeroPPConfig and topology (check per-host config files and environment variables "
                     "such as ZEROPP_RANKS_PER_NODE and LOCAL_WORLD_SIZE)")
     return "zeropp: the ranks' views differ, but no entry does (a digest collision)"

@@ -109,6 +109,9 @@ class Plan:
     """Why the set-up cannot go ahead, each naming the key or unit, the value and what would work."""
     warnings: tuple[str, ...] = ()
     """What the set-up will log (a technique that changes nothing on this layout)."""
+    pipeline_rank: int | None = None
+    """This rank's index on the pipeline mesh when the model is a pipeline stage's part (None
+    without pipeline parallelism): [Note: pipeline stages] in ``zeropp.setup.checks``."""
 
     @property
     def hpz_mesh(self) -> bool:
@@ -126,8 +129,10 @@ class Plan:
         return dataclasses.replace(self, units=units)
 
 
-def plan_sharded(model: nn.Module, config: ZeroPPConfig, topology: Topology) -> Plan:
-    """The plan of ``zeropp.enable`` on a model FSDP2 has sharded: its units as FSDP2 holds them."""
+def plan_sharded(model: nn.Module, config: ZeroPPConfig, topology: Topology, pipeline_rank: int | None = None
+                 ) -> Plan:
+    """The plan of ``zeropp.enable`` on a model FSDP2 has sharded: its units as FSDP2 holds them;
+    ``pipeline_rank``: the model is a pipeline stage's part ([Note: pipeline stages])."""
     names = {id(module): name or "the root" for name, module in model.named_modules()}
     param_names = {id(p): name for name, p in model.named_parameters()}
     units = []
@@ -142,6 +147,8 @@ def plan_sharded(model: nn.Module, config: ZeroPPConfig, topology: Topology) -> 
         units.append((name, type(group.unit).__name__, layout, shard_group_ranks(group) or (dist.get_rank(),),
                       None if replicas is None else tuple(dist.get_process_group_ranks(replicas))))
     refusals = _model_refusals(model, config, topology)
+    if pipeline_rank is not None:
+        refusals += _pipeline_refusals(config)
     if config.offload == "cpu":
         module_names = {id(module): name or type(model).__name__ for name, module in model.named_modules()}
         missing = list(dict.fromkeys(module_names[id(group.unit)] for group in comm_groups(model)
@@ -151,7 +158,32 @@ def plan_sharded(model: nn.Module, config: ZeroPPConfig, topology: Topology) -> 
                             f"{' and others' if len(missing) > 3 else ''} were sharded without CPU offload; "
                             "zeropp.enable cannot move shards fully_shard placed: pass "
                             "offload_policy=CPUOffloadPolicy() to fully_shard (or use zeropp.shard, which does)")
-    return _plan(config, topology, units, _scalar_bytes(model), refusals)
+    return dataclasses.replace(_plan(config, topology, units, _scalar_bytes(model), refusals),
+                               pipeline_rank=pipeline_rank)
+
+
+def _pipeline_refusals(config: ZeroPPConfig) -> list[str]:
+    """What a pipeline stage's part refuses.
+
+    [Note: hpZ under pipeline parallelism]
+    torchtitan shards each stage's units with ``reshard_after_forward=False`` under pipeline
+    parallelism (its "default" policy): a unit gathered for a microbatch's forward stays whole
+    until the schedule's last backward, so the microbatches gather each unit once in forward and
+    never in backward, and backward's cross-node gather, the one hpZ moves inside the node, does
+    not exist. Keeping the unit whole costs its unsharded weights for the stage's lifetime and
+    saves every regather; hpZ's node copy would cost the same memory and still regather per
+    microbatch inside the node. So where memory allows the whole unit wins, and zeropp keeps it.
+    With ``reshard_after_forward=True`` ("always") each microbatch regathers in backward and hpZ
+    would help, but the looped schedules unshard and reshard stages themselves, outside
+    autograd, which hpZ's copy is not verified with; so hpZ is refused on a stage's part,
+    naming qwZ and qgZ, which work on every stage (their bytes: ``zeropp.explain``)."""
+    if config.hpz_partition_size == 1:
+        return []
+    return [f"{config.key_of('hpz_partition_size')}={config.hpz_partition_size}, but the model is a pipeline stage's "
+            "part: torchtitan keeps a stage's units whole from a microbatch's forward to the last backward, so "
+            "backward gathers nothing for hpZ's copy to serve (and the looped schedules' own unshard and reshard "
+            f"calls are not verified with it). Set {config.key_of('hpz_partition_size')}=1; qwZ and qgZ work on "
+            "every stage"]
 
 
 def plan_bare(model: nn.Module, config: ZeroPPConfig, topology: Topology, units: list[nn.Module]) -> Plan:

@@ -46,7 +46,7 @@ def shard(
     topology = topology if topology is not None else Topology.from_env()
     unit_modules = select_units(model, units)
     plan = plan_bare(model, config, topology, unit_modules)
-    check(plan, [*config_view(config, topology), *parameters_view(model)])
+    check(plan, config_view(config, topology), parameters_view(model))
     scalars = scalar_parameters(model)
     groups = process_groups(plan, device_type_of(model))
     mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
@@ -65,7 +65,8 @@ def offload_policy(config: ZeroPPConfig) -> OffloadPolicy:
     return OffloadPolicy()
 
 
-def enable(model: nn.Module, config: ZeroPPConfig | None = None, *, topology: Topology | None = None) -> nn.Module:
+def enable(model: nn.Module, config: ZeroPPConfig | None = None, *, topology: Topology | None = None,
+           pipeline_rank: int | None = None) -> nn.Module:
     """Add ZeRO++ to a model already sharded with ``fully_shard`` (by the user, accelerate's FSDP2
     plugin or torchtitan), in place, and return it: qwZ and qgZ comms on every unit, hpZ's node
     mesh and never-stale hooks. Calling it again replaces the comms (a re-initialised engine).
@@ -76,6 +77,12 @@ def enable(model: nn.Module, config: ZeroPPConfig | None = None, *, topology: To
     (``reshard_after_forward=False``) stays whole. qgZ runs over each unit's shard group: the
     world, or on a 2-D mesh (tensor parallel x FSDP, HSDP) its data-parallel sub-mesh, placed on
     nodes ([Note: shard groups on nodes]).
+
+    ``pipeline_rank``: this rank's index on the pipeline mesh, when ``model`` is one pipeline
+    stage's part (``torch.distributed.pipelining``; torchtitan's ``with_zeropp`` passes it):
+    ranks then compare their units only with the ranks of the same pipeline rank ([Note: pipeline
+    stages]), and hpZ is refused ([Note: hpZ under pipeline parallelism]). Every rank must enable
+    its stages' parts in the same order.
     """
     require_process_group("zeropp.enable")
     if not isinstance(model, FSDPModule):
@@ -83,7 +90,8 @@ def enable(model: nn.Module, config: ZeroPPConfig | None = None, *, topology: To
                          f"{type(model).__name__} is not an FSDPModule (use zeropp.shard for a bare model)")
     config = config if config is not None else ZeroPPConfig()
     topology = topology if topology is not None else Topology.from_env()
-    plan = check(plan_sharded(model, config, topology), [*config_view(config, topology), *units_view(model)])
+    plan = check(plan_sharded(model, config, topology, pipeline_rank), config_view(config, topology),
+                 units_view(model))
     return install(model, plan, process_groups(plan, device_type_of(model)))
 
 
