@@ -276,10 +276,10 @@ def _stand_in_parallelize(model: torch.nn.Module, **kwargs) -> torch.nn.Module:
 
 
 def test_parallelisms_zeropp_cannot_shard_over_are_refused() -> None:
-    """Context or pipeline parallelism, or a mesh other than ``partial_dtensor``'s: a ValueError
-    naming what to change, before anything is sharded. Tensor parallelism, HSDP replicas and
-    expert parallelism go on to torchtitan's parallelize function (``test_torchtitan_meshes``
-    and ``test_torchtitan_moe`` run them)."""
+    """Context parallelism, or a mesh other than ``partial_dtensor``'s: a ValueError naming what
+    to change, before anything is sharded. Tensor parallelism, HSDP replicas, expert and pipeline
+    parallelism go on to torchtitan's parallelize function (``test_torchtitan_meshes``,
+    ``test_torchtitan_moe`` and ``test_torchtitan_pipeline`` run them)."""
     from torchtitan.config import ParallelismConfig
     from torchtitan.trainer import Trainer
 
@@ -287,13 +287,13 @@ def test_parallelisms_zeropp_cannot_shard_over_are_refused() -> None:
 
     parallelize = ZeroPPParallelize(_stand_in_parallelize, zeropp.ZeroPPConfig())
     for settings, named in [({"context_parallel_degree": 2}, "context_parallel_degree=2"),
-                            ({"pipeline_parallel_degree": 2}, "pipeline_parallel_degree=2"),
                             ({"spmd_backend": "spmd_types"}, "spmd_backend='partial_dtensor'.*'spmd_types'"),
                             ({"spmd_backend": "full_dtensor", "tensor_parallel_degree": 2}, "'full_dtensor'")]:
         with pytest.raises(ValueError, match=named):
             parallelize(torch.nn.Linear(2, 2), parallelism=ParallelismConfig(**settings))
     for settings in [{"tensor_parallel_degree": 2}, {"data_parallel_replicate_degree": 2},
-                     {"tensor_parallel_degree": 2, "data_parallel_replicate_degree": 2}, {"expert_parallel_degree": 2}]:
+                     {"tensor_parallel_degree": 2, "data_parallel_replicate_degree": 2}, {"expert_parallel_degree": 2},
+                     {"pipeline_parallel_degree": 2}]:
         with pytest.raises(_Parallelized):
             parallelize(torch.nn.Linear(2, 2),
                         parallelism=ParallelismConfig(**settings, spmd_backend="partial_dtensor"))

@@ -18,6 +18,7 @@ data-parallel rank's own contribution: a step in which only that rank's loss cou
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 
 import pytest
@@ -103,9 +104,11 @@ def _build(trainer_config, world_size: int, loss: _Loss):
 
 def _run(schedule_name: str, config: zeropp.ZeroPPConfig | None, world_size: int, contributions: bool = False
          ) -> dict:
-    """One training step through the schedule: the global loss, this rank's gradient shards, the
-    ledger, the explained plan; with ``contributions`` first each data-parallel rank's step alone
-    (the other's loss weighed 0.0), one step each."""
+    """One training step through the schedule, then the same step again (no optimizer step between:
+    the same weights): the global loss of each, this rank's gradient shards, the second step's
+    ledger (a schedule's first step also runs the stages once to infer their shapes, which gathers
+    and, on the last stage, reduces once more), the explained plan; with ``contributions`` first
+    each data-parallel rank's step alone (the other's loss weighed 0.0), one step each."""
     trainer_config = _trainer_config(schedule_name, config)
     num_batches = world_size // 2
     loss = _Loss(num_batches * LOCAL_BATCH * SEQ_LEN)
@@ -141,8 +144,14 @@ def _run(schedule_name: str, config: zeropp.ZeroPPConfig | None, world_size: int
     explained = [zeropp.explain(part) for part in parts] if config is not None else None
     zeropp.comm_ledger().reset()
     total = step()
+    warm = zeropp.comm_ledger().summary()["by_technique"]
+    for part in parts:
+        part.zero_grad(set_to_none=True)
+    zeropp.comm_ledger().reset()
+    again = step()  # the same weights (no optimizer step): the same loss and gradients
     ledger = zeropp.comm_ledger().summary()["by_technique"]
-    return {"loss": total, "grads": gradients(), "contributions": parts_grads, "ledger": ledger,
+    return {"loss": total, "again": again, "grads": gradients(), "contributions": parts_grads, "ledger": ledger,
+            "warm": warm,
             "explained": None if explained is None else [e.by_technique() for e in explained],
             "tables": None if explained is None else [str(e) for e in explained],
             "names": [[name for name, _ in part.named_parameters()] for part in parts]}
@@ -174,13 +183,20 @@ def _worker(rank: int, world_size: int) -> dict:
                 torch.equal(zero3["grads"][n], g) for n, g in reference["grads"].items()),
             "excess": excess, "max_error": max((both["grads"][n] - g).abs().max().item()
                                                for n, g in weights["grads"].items()),
-            "ledger": both["ledger"], "explained": both["explained"], "tables": both["tables"],
+            "ledger": both["ledger"], "warm": both["warm"], "again": both["again"], "explained": both["explained"],
+            "tables": both["tables"],
             "names": both["names"]}
+    os.environ["ZEROPP_RANKS_PER_NODE"] = "2"  # a node holds a stage's two ranks: hpZ's partition fits
     try:
-        _run("1F1B", zeropp.ZeroPPConfig(hpz_partition_size=2), world_size)
-        results["hpz"] = "accepted"
-    except ValueError as error:
-        results["hpz"] = str(error)
+        for refused, config in (("hpz", zeropp.ZeroPPConfig(hpz_partition_size=2)),
+                                ("audit", zeropp.ZeroPPConfig(audit_every=10))):
+            try:
+                _run("1F1B", config, world_size)
+                results[refused] = "accepted"
+            except ValueError as error:
+                results[refused] = str(error)
+    finally:
+        os.environ.update(ONE_RANK_PER_NODE)
     return results
 
 
@@ -216,9 +232,12 @@ def test_pipeline_qwz_and_qgz_within_their_bounds(pipeline: list[dict], schedule
 def test_pipeline_stages_explained_and_counted(pipeline: list[dict], schedule: str) -> None:
     """Each rank holds its pipeline rank's stages (one with 1F1B, two interleaved), every stage's
     units sharded over the two ranks of its pipeline rank, one per node; ``explain`` of the parts
-    adds up to the ledger's bytes for the step, qgZ's reduce-scatters booked as backward's."""
+    adds up to the ledger's bytes for a step after the first, with no presence exchange (the
+    schedule reduces outside autograd); the first step's ledger holds more (shape inference)."""
     for index, rank in enumerate(pipeline):
         result = rank[schedule]
+        assert result["again"] == result["losses"]["both"]
+        assert result["warm"]["qwZ"]["bytes"] > result["ledger"]["qwZ"]["bytes"]
         assert len(result["names"]) == (1 if schedule == "1F1B" else 2)
         group = "ranks 0,1" if index < 2 else "ranks 2,3"
         assert all(f"{group} on 2 nodes" in table for table in result["tables"]), result["tables"]
@@ -235,8 +254,10 @@ def test_pipeline_stages_explained_and_counted(pipeline: list[dict], schedule: s
 
 
 @pytest.mark.slow
-def test_pipeline_refuses_hpz_by_name(pipeline: list[dict]) -> None:
+def test_pipeline_refuses_hpz_and_the_audit_by_name(pipeline: list[dict]) -> None:
     """Under pipeline parallelism torchtitan keeps a stage's units whole from forward to backward:
-    hpZ has nothing to serve, and says so."""
+    hpZ has nothing to serve, and says so; the audit sums its findings over the world, whose stages
+    audit different units, and says so."""
     for rank in pipeline:
         assert "hpz_partition_size=2" in rank["hpz"] and "pipeline stage" in rank["hpz"], rank["hpz"]
+        assert "audit_every=10" in rank["audit"] and "pipeline stage" in rank["audit"], rank["audit"]

@@ -146,6 +146,13 @@ def shard_group_ranks(unit: FSDPModule) -> tuple[int, ...] | None:
     return tuple(dist.get_process_group_ranks(param_group.mesh_info.shard_process_group))
 
 
+def shard_group(unit: FSDPModule | CommGroup) -> dist.ProcessGroup | None:
+    """The group a unit's gradients are reduce-scattered over (its data-parallel shard group);
+    None for a unit that owns no parameters."""
+    param_group = _param_group(unit)
+    return None if param_group is None else param_group.mesh_info.shard_process_group
+
+
 def replicate_group(unit: FSDPModule) -> dist.ProcessGroup | None:
     """The group a unit's gradients are reduced across after its reduce-scatter: HSDP's
     replicate group (also once ``set_replicas_reduced_by_comm`` took that over); None for a unit

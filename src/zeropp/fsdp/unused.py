@@ -14,7 +14,8 @@ zeropp gives that result. Before a unit's gradients are reduce-scattered, every 
 parameter without a gradient on this rank gets a zero one, so every rank sends the same
 parameters and the reduction (AVG: divided by the world size) is the one-process mean. With it,
 one byte per parameter says whether this rank had a gradient of its own; it is max-reduced over
-the world asynchronously, beside the reduce-scatter, and read when the gradients are next used
+the ranks the unit's gradients are reduced over (its shard group asynchronously, beside the
+reduce-scatter, then HSDP's replicas), and read when the gradients are next used
 (at the end of backward, or before ``optimizer_in_backward`` steps the unit): a parameter no
 rank had a gradient for gets ``None`` back, unless it held one already (accumulation). The usual
 case, every rank with every gradient, costs that one byte per parameter and nothing else. With
@@ -27,6 +28,10 @@ send nothing, as before. A
 unit must run its forward and backward on every rank (its gathers and reduce-scatter are
 collectives); the parameters inside it may be used by any subset of ranks. 0-dim parameters,
 kept outside FSDP2 (``zeropp.fsdp.scalars``), must have a gradient on every rank.
+
+The exchange runs over those ranks and no others: under pipeline parallelism a stage's units run
+their backward on the stage's ranks only (the schedule's first backward reaches the last stage's
+units alone), and a world-wide exchange would wait there for ranks that never join it.
 """
 
 from __future__ import annotations
@@ -53,9 +58,12 @@ class GradientPresence:
     """One unit's gradients made the same on every rank before they are reduce-scattered: see
     [Note: gradients some ranks lack]."""
 
-    def __init__(self, unit: FSDPModule, recorder: Recorder) -> None:
+    def __init__(self, unit: FSDPModule, recorder: Recorder, group: dist.ProcessGroup | None,
+                 replicas: dist.ProcessGroup | None = None) -> None:
         self.unit = unit
         self.recorder = recorder
+        self.group, self.replicas = group, replicas
+        """The unit's shard group, and HSDP's replicate group (None: the unit has no replicas)."""
         self._pending: tuple[dist.Work | None, torch.Tensor, list[bool]] | None = None
         before_gradient_reduction(unit, self.before_reduction)
 
@@ -68,7 +76,7 @@ class GradientPresence:
         present = gradients_present(self.unit)
         give_zero_gradients(self.unit, [p.requires_grad and not has for p, has in zip(params, present)])
         flags = torch.tensor(present, dtype=torch.uint8, device=params[0].device)
-        work = all_reduce(flags, dist.ReduceOp.MAX, None, self.recorder, TECHNIQUE, async_op=True)
+        work = all_reduce(flags, dist.ReduceOp.MAX, self.group, self.recorder, TECHNIQUE, async_op=True)
         self._pending = (work, flags, [p.grad is None for p in params])
         at_backward_end(self.resolve)
 
@@ -81,6 +89,8 @@ class GradientPresence:
         self._pending = None
         if work is not None:
             work.wait()
+        if self.replicas is not None:
+            all_reduce(flags, dist.ReduceOp.MAX, self.replicas, self.recorder, TECHNIQUE)
         for param, anywhere, none_before in zip(unit_parameters(self.unit), flags.tolist(), had_none):
             if not anywhere and none_before:
                 param.grad = None

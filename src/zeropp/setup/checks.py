@@ -25,6 +25,13 @@ the plan are compared among the ranks of the same pipeline rank, which hold the 
 or, with a looped schedule, several, enabled in the same order on each). Each enable is still one
 all-gather over the world, so every rank must enable as many model parts as the others: a
 pipeline schedule gives each rank the same number of stages.
+
+A unit's shard groups still span every stage: the groups zeropp builds for them (qgZ's hops on
+nodes) are created with ``new_group``, which every rank of the world must call for every group,
+in the same order, while each stage's units know only their own stage's groups. So a stage's
+unit is given the same-sized groups the other stages' units use beside its own (torchtitan's
+pipeline mesh is outermost, so each stage's data-parallel groups are the others' shifted by a
+stage), and every rank asks for the same groups first.
 """
 
 from __future__ import annotations
@@ -70,7 +77,20 @@ def check(plan: Plan, view: View, stage_view: View = ()) -> Plan:
     every = [json.loads(entry) for entry, theirs in zip(agreed.locals, agreed.scopes) if theirs == scope]
     layouts = [None if mine is None else tuple(dict.fromkeys(tuple(ranks[i]) for ranks in every))
                for i, mine in enumerate(local)]
+    if plan.pipeline_rank is not None:
+        used = sorted({tuple(group) for entry in agreed.locals for group in json.loads(entry) if group is not None})
+        layouts = [None if layout is None else _across_stages(layout, used) for layout in layouts]
     return plan.with_shard_layouts(layouts)
+
+
+def _across_stages(layout: tuple[tuple[int, ...], ...], used: list[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
+    """A stage's shard groups with the other stages' groups of the same size that share no rank
+    with them, in rank order ([Note: pipeline stages]): the same on every stage."""
+    groups = list(layout)
+    for group in used:
+        if len(group) == len(layout[0]) and all(set(group).isdisjoint(mine) for mine in groups):
+            groups.append(group)
+    return tuple(sorted(groups))
 
 
 def plan_view(plan: Plan) -> View:

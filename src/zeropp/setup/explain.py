@@ -155,9 +155,14 @@ def _unit_collectives(plan: Plan, unit: UnitPlan, rank: int) -> list[Collective]
     found = [*_gathers(plan, unit, rank)]
     if any(layout.trainable):
         found += _reduction(plan, unit, rank)
-        count = len(layout.names)
-        found.append(Collective(unit.name, "presence", "presence", Op.ALL_REDUCE, tuple(range(topology.world_size)),
+    # a pipeline schedule reduces a stage's gradients outside autograd, where the exchange does not run
+    if any(layout.trainable) and plan.pipeline_rank is None:
+        count = len(layout.names)  # over the ranks the gradients are reduced over ([Note: gradients some ranks lack])
+        found.append(Collective(unit.name, "presence", "presence", Op.ALL_REDUCE, unit.shard_ranks,
                                 "one byte per parameter", "exact", count))
+        if unit.replica_ranks is not None:
+            found.append(Collective(unit.name, "presence", "presence", Op.ALL_REDUCE, unit.replica_ranks,
+                                    "one byte per parameter", "exact", count))
     return [_priced(topology, rank, c) for c in found]
 
 

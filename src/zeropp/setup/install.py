@@ -33,6 +33,7 @@ from zeropp.fsdp.access import (
     set_process_group_timeouts,
     set_replicas_reduced_by_comm,
     set_unshard_async,
+    shard_group,
 )
 from zeropp.fsdp.after_step import gather_after_step
 from zeropp.fsdp.comms import CountingAllGather, CountingReduceScatter, GatherAhead, Recorder, collective_timeout_s
@@ -68,7 +69,7 @@ def install(model: FSDPModule, plan: Plan, groups: ProcessGroups) -> nn.Module:
             set_post_forward_mesh(unit, groups.hpz_mesh)
     for unit, planned in zip(units, plan.units):
         all_gather, reduce_scatter = _comms(unit, planned, groups, config)
-        presence = GradientPresence(unit, Recorder(groups.topology))
+        presence = GradientPresence(unit, Recorder(groups.topology), shard_group(unit), replicate_group(unit))
         for recorder in (all_gather.recorder, reduce_scatter.recorder, presence.recorder):
             recorder.unit = planned.name
         installed.add(unit, all_gather, reduce_scatter, presence)

@@ -148,7 +148,7 @@ def plan_sharded(model: nn.Module, config: ZeroPPConfig, topology: Topology, pip
                       None if replicas is None else tuple(dist.get_process_group_ranks(replicas))))
     refusals = _model_refusals(model, config, topology)
     if pipeline_rank is not None:
-        refusals += _pipeline_refusals(config)
+        refusals += _pipeline_refusals(config, bool(_scalar_bytes(model)))
     if config.offload == "cpu":
         module_names = {id(module): name or type(model).__name__ for name, module in model.named_modules()}
         missing = list(dict.fromkeys(module_names[id(group.unit)] for group in comm_groups(model)
@@ -162,7 +162,7 @@ def plan_sharded(model: nn.Module, config: ZeroPPConfig, topology: Topology, pip
                                pipeline_rank=pipeline_rank)
 
 
-def _pipeline_refusals(config: ZeroPPConfig) -> list[str]:
+def _pipeline_refusals(config: ZeroPPConfig, scalars: bool) -> list[str]:
     """What a pipeline stage's part refuses.
 
     [Note: hpZ under pipeline parallelism]
@@ -177,13 +177,23 @@ def _pipeline_refusals(config: ZeroPPConfig) -> list[str]:
     would help, but the looped schedules unshard and reshard stages themselves, outside
     autograd, which hpZ's copy is not verified with; so hpZ is refused on a stage's part,
     naming qwZ and qgZ, which work on every stage (their bytes: ``zeropp.explain``)."""
-    if config.hpz_partition_size == 1:
-        return []
-    return [f"{config.key_of('hpz_partition_size')}={config.hpz_partition_size}, but the model is a pipeline stage's "
+    refusals = []
+    if config.hpz_partition_size > 1:
+        refusals.append(
+            f"{config.key_of('hpz_partition_size')}={config.hpz_partition_size}, but the model is a pipeline stage's "
             "part: torchtitan keeps a stage's units whole from a microbatch's forward to the last backward, so "
             "backward gathers nothing for hpZ's copy to serve (and the looped schedules' own unshard and reshard "
             f"calls are not verified with it). Set {config.key_of('hpz_partition_size')}=1; qwZ and qgZ work on "
-            "every stage"]
+            "every stage")
+    if config.audit_every:  # its totals are summed over the world, and each stage audits its own units
+        refusals.append(f"{config.key_of('audit_every')}={config.audit_every}, but the model is a pipeline stage's "
+                        "part: the audit sums its findings over the world, whose stages audit different units. "
+                        f"Set {config.key_of('audit_every')}=0 under pipeline parallelism")
+    if scalars:  # broadcast and reduced over the world (zeropp.fsdp.scalars), which other stages do not join
+        refusals.append("the pipeline stage's part has trainable 0-dim parameters, which zeropp keeps whole and "
+                        "reduces over the world, whose other stages hold other parameters: make them 1-element "
+                        "tensors (shape [1]) so that FSDP2 shards them with their unit")
+    return refusals
 
 
 def plan_bare(model: nn.Module, config: ZeroPPConfig, topology: Topology, units: list[nn.Module]) -> Plan:

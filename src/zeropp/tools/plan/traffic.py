@@ -123,7 +123,7 @@ def unit_transfers(unit: UnitShape, config: ZeroPPConfig | None, topology: Topol
                            for t in collectives]
         transfers += [*collectives, *_replicas(part, padded, config, topology, layout, precision)]
         if config is not None:
-            transfers += _presence(part, topology)
+            transfers += _presence(part, topology, shard, layout.num_replicas(topology) if part is unit else 1)
     return transfers
 
 
@@ -132,13 +132,18 @@ def shard_kind(topology: Topology, shard: Topology) -> GroupKind:
     return group_kind(topology, shard.num_nodes, shard.ranks_per_node)
 
 
-def _presence(unit: UnitShape, topology: Topology) -> list[Transfer]:
+def _presence(unit: UnitShape, topology: Topology, shard: Topology, replicas: int) -> list[Transfer]:
     """[Note: gradients some ranks lack] (``zeropp.fsdp.unused``): one byte per parameter of a unit
-    with trainable parameters, max-reduced over the world in backward."""
+    with trainable parameters, max-reduced in backward over its shard group, then across HSDP's
+    replicas (one rank per node)."""
     if not any(unit.trainable):
         return []
-    return [Transfer(Op.ALL_REDUCE, GroupKind.WORLD, topology.world_size, len(unit.shapes), "backward", "presence",
-                     "uint8", background=True)]
+    exchanges = [(shard_kind(topology, shard), shard.world_size, shard.num_nodes)]
+    if replicas > 1:
+        exchanges.append((group_kind(topology, replicas, 1), replicas, replicas))
+    return [Transfer(Op.ALL_REDUCE, kind, size, len(unit.shapes), "backward", "presence", "uint8", background=True,
+                     span=0 if nodes == topology.num_nodes else nodes)
+            for kind, size, nodes in exchanges if size > 1]
 
 
 class _Payload(NamedTuple):
