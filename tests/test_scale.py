@@ -60,12 +60,13 @@ def _fsdp2_rows(shape: tuple[int, ...], world_size: int, rank: int) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size", [384, 1024])
+@pytest.mark.parametrize("world_size", [1024])
 def test_one_rank_of_a_large_job(world_size: int) -> None:
     """At every rank position: the shards are FSDP2's chunks (empty where expected); ZeRO-3 and
     all three take the same groups at 2 and 4 layers (the world, the node's and the peers'
     groups: W / 8 + 8 new_group calls, hpZ's node mesh made of them); a step runs, and its peak
-    is ``zeropp plan``'s prediction for that rank within the bench's tolerance."""
+    is ``zeropp plan``'s prediction for that rank within the bench's tolerance. (384 ranks: the
+    quick bench's test runs every position there, with the same group and peak checks.)"""
     llama, _ = build_meta_llama(MODEL, 4)
     names = dict(llama.named_parameters())
     shape = scale.model_shape(MODEL, 4)
