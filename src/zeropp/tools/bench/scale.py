@@ -222,7 +222,7 @@ def run(out_dir: str = "benchmarks/results", quick: bool = False, world_sizes: S
     for position, config in plan.runs():
         rows.append(row(position, launch(config), shapes))
         print(format_table(rows[-1:]).splitlines()[-1] if rows[1:] else format_table(rows), flush=True)
-    result = {"machine": machine_info(torch.device("cpu")),
+    result = {"date": time.strftime("%Y-%m-%d"), "machine": machine_info(torch.device("cpu")),
               "config": {**asdict(plan), "ranks_per_node": RunConfig.ranks_per_node, "tolerance": TOLERANCE,
                          "elapsed_s": time.perf_counter() - started, "precision": "bf16 gathers, fp32 reduction",
                          "tokens_per_step": RunConfig.batch_size * RunConfig.context_length},
