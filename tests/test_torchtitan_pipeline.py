@@ -261,3 +261,15 @@ def test_pipeline_refuses_hpz_and_the_audit_by_name(pipeline: list[dict]) -> Non
     for rank in pipeline:
         assert "hpz_partition_size=2" in rank["hpz"] and "pipeline stage" in rank["hpz"], rank["hpz"]
         assert "audit_every=10" in rank["audit"] and "pipeline stage" in rank["audit"], rank["audit"]
+
+
+def test_a_stage_refuses_what_spans_the_world() -> None:
+    """On a pipeline stage's part: hpZ, the audit and trainable 0-dim parameters are refused, each
+    naming what to change; qwZ and qgZ are not."""
+    from zeropp.setup.plan import _pipeline_refusals
+
+    assert _pipeline_refusals(QWZ_QGZ, scalars=False) == []
+    hpz, audit, scalars = _pipeline_refusals(zeropp.ZeroPPConfig(hpz_partition_size=2, audit_every=5), scalars=True)
+    assert "hpz_partition_size=2" in hpz and "Set hpz_partition_size=1" in hpz
+    assert "audit_every=5" in audit and "Set audit_every=0" in audit
+    assert "0-dim parameters" in scalars and "shape [1]" in scalars
