@@ -155,14 +155,11 @@ def _unit_collectives(plan: Plan, unit: UnitPlan, rank: int) -> list[Collective]
     found = [*_gathers(plan, unit, rank)]
     if any(layout.trainable):
         found += _reduction(plan, unit, rank)
-    # a pipeline schedule reduces a stage's gradients outside autograd, where the exchange does not run
-    if any(layout.trainable) and plan.pipeline_rank is None:
-        count = len(layout.names)  # over the ranks the gradients are reduced over ([Note: gradients some ranks lack])
-        found.append(Collective(unit.name, "presence", "presence", Op.ALL_REDUCE, unit.shard_ranks,
-                                "one byte per parameter", "exact", count))
-        if unit.replica_ranks is not None:
-            found.append(Collective(unit.name, "presence", "presence", Op.ALL_REDUCE, unit.replica_ranks,
-                                    "one byte per parameter", "exact", count))
+        # over the ranks the gradients are reduced over ([Note: gradients some ranks lack]); not on a
+        # pipeline stage, whose schedule reduces outside autograd, where the exchange does not run
+        groups = () if plan.pipeline_rank is not None else (unit.shard_ranks, unit.replica_ranks)
+        found += [Collective(unit.name, "presence", "presence", Op.ALL_REDUCE, ranks, "one byte per parameter",
+                             "exact", len(layout.names)) for ranks in groups if ranks is not None]
     return [_priced(topology, rank, c) for c in found]
 
 

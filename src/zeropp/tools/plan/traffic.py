@@ -123,7 +123,7 @@ def unit_transfers(unit: UnitShape, config: ZeroPPConfig | None, topology: Topol
                            for t in collectives]
         transfers += [*collectives, *_replicas(part, padded, config, topology, layout, precision)]
         if config is not None:
-            transfers += _presence(part, topology, shard, layout.num_replicas(topology) if part is unit else 1)
+            transfers += _presence(part, topology, shard, layout.num_replicas(topology))
     return transfers
 
 
