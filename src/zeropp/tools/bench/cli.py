@@ -1,4 +1,5 @@
-"""``zeropp bench quant|qgz-error|comm|step|generate|overhead|export|scale``: the benchmarks' command-line options."""
+"""``zeropp bench quant|qgz-error|comm|step|layouts|generate|overhead|export|scale``: the benchmarks'
+command-line options."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from zeropp.tools.modes import MODES, parse_modes
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``zeropp bench``'s options; each benchmark takes the ones it names."""
-    parser.add_argument("what", choices=["quant", "qgz-error", "comm", "step", "generate", "overhead", "export",
-                                                "scale"])
+    parser.add_argument("what", choices=["quant", "qgz-error", "comm", "step", "layouts", "generate", "overhead",
+                                                "export", "scale"])
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--quick", action="store_true",
                         help="comm/step/overhead: a tiny model or few steps; qgz-error: 2x2 synthetic only; scale: a "
@@ -22,7 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "hsdp_quantized, all_serial and 'deepspeed' when DeepSpeed is installed); scale: "
                              "zeropp modes (default: zero3,qwz,hpz,qgz,all)")
     parser.add_argument("--bandwidths", type=lambda text: tuple(text.split(",")), default=None,
-                        help="step: comma-separated inter-node rates (default: unlimited,1gbit,100mbit)")
+                        help="step, layouts: comma-separated inter-node rates (default: unlimited,1gbit,100mbit; "
+                             "layouts: unlimited,100mbit)")
     parser.add_argument("--param-dtype", choices=["bfloat16", "float32"], default="bfloat16",
                         help="step: dtype of compute and weight gathers (float32 on CPUs without fast bf16)")
     parser.add_argument("--model", type=_model_shape, default=None, metavar="LAYERSxWIDTH",
@@ -91,6 +93,10 @@ def run_from_args(args: argparse.Namespace) -> int:
 
         scale.run(out_dir=args.out, quick=args.quick, world_sizes=args.world_sizes, modes=args.modes,
                   full=not args.no_full)
+    elif args.what == "layouts":
+        from zeropp.tools.bench import layouts
+
+        layouts.run(out_dir=args.out, **({"bandwidths": args.bandwidths} if args.bandwidths else {}))
     elif args.what == "comm":
         from zeropp.tools.bench import comm
 
