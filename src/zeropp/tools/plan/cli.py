@@ -45,6 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="an MoE model (hf:CONFIG.json with routed experts) with torchtitan's expert parallel of "
                              "degree E: the experts sharded over their own mesh, the tokens' all-to-alls priced; "
                              "modes with hpZ, HSDP or tensor parallel are left out")
+    parser.add_argument("--pipeline-parallel", type=int, default=1, metavar="P",
+                        help="torchtitan's pipeline parallel of degree P (stages of whole nodes, 1F1B) x FSDP on each "
+                             "stage: each unit gathered once a step and reduced once, the 1F1B bubble, the "
+                             "activations' sends; modes with hpZ, HSDP or tensor parallel are left out")
+    parser.add_argument("--microbatch-size", type=int, default=1,
+                        help="with --pipeline-parallel: sequences per microbatch (torchtitan's default, 1)")
     parser.add_argument("--offload", choices=("none", "cpu", "optimizer"), default="none",
                         help="ZeroPPConfig.offload; adds host memory and the host-device copies, their time in the "
                              "step. cpu: FSDP2's CPU offload (DeepSpeed's offload_param, with or without "
@@ -204,6 +210,18 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     from zeropp.tools.plan.table import format_record, plan_record
 
+    if args.pipeline_parallel < 1:
+        raise ValueError(f"--pipeline-parallel={args.pipeline_parallel} must be a positive degree (1: none)")
+    if args.pipeline_parallel > 1:
+        from zeropp.tools.plan.pipeline import format_pipeline, pipeline_record
+
+        if args.offload != "none" or args.expert_parallel > 1:
+            raise ValueError(f"--pipeline-parallel={args.pipeline_parallel} is priced without offload and expert "
+                             f"parallel, not --offload={args.offload} --expert-parallel={args.expert_parallel}")
+        record = pipeline_record(shape, topology, workload, machine, args.modes, args.pipeline_parallel,
+                                 args.microbatch_size)
+        print(json.dumps(record, indent=2) if args.json else format_pipeline(record))
+        return 0
     if args.expert_parallel < 1:
         raise ValueError(f"--expert-parallel={args.expert_parallel} must be a positive degree (1: none)")
     record = plan_record(shape, topology, workload, machine, args.modes, args.offload, not args.no_pin_memory,
