@@ -107,6 +107,15 @@ def _qgz_memory(data: dict[str, Any]) -> str:
     return f"qgZ's peak {ratios} (ZeRO-3's = 1)"
 
 
+def _layout(name: str) -> Callable[[dict[str, Any]], str]:
+    def figure(data: dict[str, Any]) -> str:
+        rows = {r["system"]: r for r in data["rows"] if r["layout"] == name and r["bandwidth"] == "100mbit"}
+        plain, both = rows["torchtitan"], rows["qwz_qgz"]
+        return (f"qwZ + qgZ **{both['vs_torchtitan']:.3f}x** torchtitan's own FSDP2 ({both['median_step_s']:.2f} s "
+                f"against {plain['median_step_s']:.2f} s), cross-node bytes {both['cross_node_vs_torchtitan']:.2f}x")
+    return figure
+
+
 ROWS = (
     Row("step time, 100 Mbit/s between nodes", "bench_step.json", "zeropp bench step --param-dtype float32",
         _step_at("100mbit"), "[cluster](docs/results.md#emulated-2-node-x-2-rank-cluster-gpt-253m-parameters-gloo)"),
@@ -132,6 +141,13 @@ ROWS = (
         "zeropp bench step --param-dtype float32 --no-memory --modes zero3,hsdp,hsdp_quantized,tp_zero3,"
         "tp_qwz_qgz,all --bandwidths unlimited,100mbit --out benchmarks/results/bench_step_meshes", _meshes,
         "[2-D meshes](docs/results.md#2-d-meshes-tensor-parallel-x-fsdp-and-hsdp)"),
+    Row("expert parallel 2, torchtitan's qwen3 MoE (2 blocks of 8 experts), 100 Mbit/s",
+        "bench_layouts/bench_layouts.json", "zeropp bench layouts --out benchmarks/results/bench_layouts",
+        _layout("ep"),
+        "[layouts](docs/results.md#expert-and-pipeline-parallel-in-torchtitan)"),
+    Row("pipeline 2 x FSDP 2 (1F1B), torchtitan's llama3 debug model, 4 nodes, 100 Mbit/s",
+        "bench_layouts/bench_layouts.json", "zeropp bench layouts --out benchmarks/results/bench_layouts",
+        _layout("pp"), "[layouts](docs/results.md#expert-and-pipeline-parallel-in-torchtitan)"),
 )
 
 
