@@ -28,19 +28,23 @@ from test_torchtitan import CPU_OVERRIDES, _build, _force_sum  # noqa: E402
 
 TWO_BY_TWO = {"ZEROPP_RANKS_PER_NODE": "2"}
 EXPERT_PARALLEL = ["--parallelism.expert_parallel_degree", "2", "--training.disable_cuda_graphs"]
+LAYOUTS = {"ep": EXPERT_PARALLEL, "ep_tp": [*EXPERT_PARALLEL, "--parallelism.tensor_parallel_degree", "2"]}
+"""Expert parallel 2 alone, and with tensor parallel 2 (tensor parallel inside each node, so the
+data-parallel ranks are one per node; expert parallel borrows the tensor parallel ranks, so the
+experts' shard group is again one rank per node)."""
 LOCAL_BATCH, SEQ_LEN, QMAX_INT4, BLOCK_SIZE, NUM_LAYERS = 2, 16, 7, 256, 2
 
 
-def _trainer_config(config: zeropp.ZeroPPConfig | None):
-    """torchtitan's qwen3 MoE debug config with expert parallel 2, loaded as its command line
-    loads it; its parallelize function wrapped by zeropp's (``config``) or not (None)."""
+def _trainer_config(config: zeropp.ZeroPPConfig | None, layout: str = "ep"):
+    """torchtitan's qwen3 MoE debug config with ``layout``'s parallelism, loaded as its command
+    line loads it; its parallelize function wrapped by zeropp's (``config``) or not (None)."""
     from torchtitan.config import ConfigManager
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
     from zeropp.torchtitan import SPMD_BACKEND, ZeroPPParallelize
 
     trainer_config = ConfigManager().parse_args(["--module", "qwen3", "--config", "qwen3_moe_debug", *CPU_OVERRIDES,
-                                                 "--parallelism.spmd_backend", SPMD_BACKEND, *EXPERT_PARALLEL])
+                                                 "--parallelism.spmd_backend", SPMD_BACKEND, *LAYOUTS[layout]])
     model = trainer_config.model_spec.model
     model.layers = model.layers[:NUM_LAYERS]  # the debug model's 8 blocks hold 300M experts' parameters
     for layer in model.layers:
@@ -55,33 +59,37 @@ def _tokens(vocab: int, batch: int) -> torch.Tensor:
     return torch.randint(0, vocab, (4, LOCAL_BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(0))[batch]
 
 
-def _run(config: zeropp.ZeroPPConfig | None, world_size: int, contributions: bool = False) -> dict:
+def _run(config: zeropp.ZeroPPConfig | None, world_size: int, contributions: bool = False, layout: str = "ep"
+         ) -> dict:
     """One forward and backward: loss, this rank's gradient shards, the ledger, the plan's bytes;
-    with ``contributions`` first each rank's batch's gradients alone (the others weighed 0.0)."""
+    with ``contributions`` first each data-parallel rank's batch's gradients alone (the others
+    weighed 0.0). A tensor parallel group (consecutive ranks) trains on one batch."""
     from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.distributed import utils as dist_utils
 
-    trainer_config = _trainer_config(config)
+    trainer_config = _trainer_config(config, layout)
     dist_utils.set_spmd_backend(trainer_config.parallelism.spmd_backend)
     model = _build(trainer_config, world_size)
     if config is None:
         _force_sum(model)
     vocab, rank = trainer_config.model_spec.model.vocab_size, torch.distributed.get_rank()
+    tensor_parallel = trainer_config.parallelism.tensor_parallel_degree
+    batch, batches = rank // tensor_parallel, world_size // tensor_parallel
 
     def loss_of(weight: float) -> torch.Tensor:
-        tokens = _tokens(vocab, rank)
-        return cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:]) / (4 * LOCAL_BATCH * SEQ_LEN) * weight
+        tokens = _tokens(vocab, batch)
+        return cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:]) / (batches * LOCAL_BATCH * SEQ_LEN) * weight
 
     parts = []
-    for part in range(world_size if contributions else 0):
-        loss_of(float(part == rank)).backward()
+    for part in range(batches if contributions else 0):
+        loss_of(float(part == batch)).backward()
         parts.append({n: p.grad.to_local().clone() for n, p in model.named_parameters()})
         model.zero_grad(set_to_none=True)
     explained = zeropp.explain(model) if config is not None else None
     zeropp.comm_ledger().reset()
     loss = loss_of(1.0)
     loss.backward()
-    total = loss.detach().clone()
+    total = loss.detach().clone() / tensor_parallel  # each tensor parallel rank holds its batch's whole loss
     torch.distributed.all_reduce(total)
     return {"loss": total.item(), "grads": {n: p.grad.to_local().clone() for n, p in model.named_parameters()},
             "contributions": parts, "ledger": zeropp.comm_ledger().summary()["by_technique"],
@@ -95,11 +103,11 @@ def _half_steps(contribution: torch.Tensor) -> torch.Tensor:
     return (blocks.abs().amax(1) / QMAX_INT4 / 2).repeat_interleave(BLOCK_SIZE)[:flat.numel()].view_as(contribution)
 
 
-def _worker(rank: int, world_size: int) -> dict:
-    reference = _run(None, world_size)
-    zero3 = _run(zeropp.ZeroPPConfig(), world_size)
-    weights = _run(zeropp.ZeroPPConfig(quantized_weights=True), world_size, contributions=True)
-    both = _run(zeropp.ZeroPPConfig(quantized_weights=True, quantized_gradients=True), world_size)
+def _worker(rank: int, world_size: int, layout: str) -> dict:
+    reference = _run(None, world_size, layout=layout)
+    zero3 = _run(zeropp.ZeroPPConfig(), world_size, layout=layout)
+    weights = _run(zeropp.ZeroPPConfig(quantized_weights=True), world_size, contributions=True, layout=layout)
+    both = _run(zeropp.ZeroPPConfig(quantized_weights=True, quantized_gradients=True), world_size, layout=layout)
     excess = {}
     for name, exact in weights["grads"].items():
         # each rank's contribution is coded at most twice: as a row (hop 1, INT8 or INT4) and inside
@@ -108,7 +116,7 @@ def _worker(rank: int, world_size: int) -> dict:
         bound = bound * (1 + 1e-6) + 1e-6 * sum(part[name].abs() for part in weights["contributions"]) + 1e-30
         excess[name] = ((both["grads"][name] - exact).abs() - bound).max().item()
     try:
-        _run(zeropp.ZeroPPConfig(hpz_partition_size=2), world_size)
+        _run(zeropp.ZeroPPConfig(hpz_partition_size=2), world_size, layout=layout)
         hpz = "accepted"
     except ValueError as error:
         hpz = str(error)
@@ -120,9 +128,9 @@ def _worker(rank: int, world_size: int) -> dict:
             "ledger": both["ledger"], "explained": both["explained"], "table": both["table"], "hpz": hpz}
 
 
-@pytest.fixture(scope="module")
-def moe() -> list[dict]:
-    return run_distributed(_worker, 4, env=TWO_BY_TWO, timeout=600)
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def moe(request) -> list[dict]:
+    return run_distributed(_worker, 4, request.param, env=TWO_BY_TWO, timeout=600)
 
 
 @pytest.mark.slow

@@ -119,8 +119,9 @@ class _Loss:
         self.global_tokens = global_tokens
 
     def __call__(self, pred: torch.Tensor, labels: torch.Tensor, **kwargs: object) -> tuple[torch.Tensor, None]:
-        loss = torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(), reduction="sum")
-        return loss / self.global_tokens, None
+        from torchtitan.components.loss import cross_entropy_loss  # the sum; vocabulary-parallel under TP
+
+        return cross_entropy_loss(pred, labels) / self.global_tokens, None
 
 
 def _force_sum(parts: Sequence[torch.nn.Module]) -> None:
