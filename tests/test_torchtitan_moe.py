@@ -1,6 +1,7 @@
-"""zeropp on torchtitan's expert parallel layout: the qwen3 MoE debug model, built by torchtitan's own
-config, ``parallelize_qwen3`` and weight init, expert parallel 2 on 2 nodes x 2 gloo ranks (CPU,
-fp32, SDPA), one forward and backward, against torchtitan's own FSDP2 of the same layout.
+"""zeropp on torchtitan's expert parallel layout: the qwen3 MoE debug model (cut to 2 blocks of 8
+experts), built by torchtitan's own config, ``parallelize_qwen3`` and weight init, expert parallel 2
+on 2 nodes x 2 gloo ranks (CPU, fp32, SDPA), alone and with tensor parallel 2, one forward and
+backward, against torchtitan's own FSDP2 of the same layout.
 
 torchtitan shards each block with a per-parameter mesh (``shard_placement_fn``): the routed
 experts over ``efsdp`` = {0, 2}, {1, 3} (one rank per node; ``ep`` = {0, 1}, {2, 3} inside the
@@ -32,7 +33,7 @@ LAYOUTS = {"ep": EXPERT_PARALLEL, "ep_tp": [*EXPERT_PARALLEL, "--parallelism.ten
 """Expert parallel 2 alone, and with tensor parallel 2 (tensor parallel inside each node, so the
 data-parallel ranks are one per node; expert parallel borrows the tensor parallel ranks, so the
 experts' shard group is again one rank per node)."""
-LOCAL_BATCH, SEQ_LEN, QMAX_INT4, BLOCK_SIZE, NUM_LAYERS = 2, 16, 7, 256, 2
+LOCAL_BATCH, SEQ_LEN, QMAX_INT4, BLOCK_SIZE, NUM_LAYERS, NUM_EXPERTS, TOP_K = 2, 16, 7, 256, 2, 8, 2
 
 
 def _trainer_config(config: zeropp.ZeroPPConfig | None, layout: str = "ep"):
@@ -41,12 +42,15 @@ def _trainer_config(config: zeropp.ZeroPPConfig | None, layout: str = "ep"):
     from torchtitan.config import ConfigManager
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
+    from zeropp.tools.bench.layouts import with_experts
     from zeropp.torchtitan import SPMD_BACKEND, ZeroPPParallelize
 
     trainer_config = ConfigManager().parse_args(["--module", "qwen3", "--config", "qwen3_moe_debug", *CPU_OVERRIDES,
                                                  "--parallelism.spmd_backend", SPMD_BACKEND, *LAYOUTS[layout]])
     model = trainer_config.model_spec.model
-    model.layers = model.layers[:NUM_LAYERS]  # the debug model's 8 blocks hold 300M experts' parameters
+    # the debug model's 8 blocks of 64 experts hold 300M parameters: 2 blocks of 8 experts, top 2, hold 13.6M
+    model.layers = [dataclasses.replace(layer, moe=with_experts(layer.moe, NUM_EXPERTS, TOP_K))
+                    for layer in model.layers[:NUM_LAYERS]]
     for layer in model.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     if config is not None:

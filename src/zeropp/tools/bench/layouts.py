@@ -78,7 +78,7 @@ LOCAL_BATCH, SEQ_LEN = 4, 64
 """Per data-parallel rank: 4 sequences of 64 tokens (under pipeline parallel, 4 microbatches of one)."""
 
 
-def _with_experts(moe: Any, num_experts: int, top_k: int) -> Any:
+def with_experts(moe: Any, num_experts: int, top_k: int) -> Any:
     """An MoE layer's config with ``num_experts`` routed experts, ``top_k`` per token."""
     routed, router = moe.routed_experts, moe.router
     routed = dataclasses.replace(
@@ -106,7 +106,7 @@ def trainer_config(layout: Layout, config: zeropp.ZeroPPConfig | None) -> Any:
     for i, layer in enumerate(model.layers):
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
         if layout.num_experts is not None and getattr(layer, "moe", None) is not None:
-            model.layers[i] = dataclasses.replace(layer, moe=_with_experts(layer.moe, layout.num_experts,
+            model.layers[i] = dataclasses.replace(layer, moe=with_experts(layer.moe, layout.num_experts,
                                                                             layout.top_k))
     return loaded if config is None else with_zeropp(loaded, config)
 
