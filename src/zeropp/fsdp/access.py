@@ -57,6 +57,7 @@ __all__ = [
     "give_zero_gradients",
     "gradients_present",
     "gradients_read_only_after_backward",
+    "gathers_itself",
     "in_backward",
     "load_state_dict_into",
     "mark_prepared_for_accelerate",
@@ -68,6 +69,7 @@ __all__ = [
     "secondary_bytes_held",
     "secondary_released",
     "secondary_shard_rank",
+    "self_gathered_dtype",
     "shard_versions",
     "set_element",
     "set_post_forward_mesh",
@@ -105,6 +107,10 @@ class UnitLayout:
     reduce_dtype: torch.dtype | None = None
     """The dtype its gradients are reduced in (the mixed-precision ``reduce_dtype``, else the
     gather dtype); None for a unit that owns no parameters."""
+    self_gathered: tuple[bool, ...] = ()
+    """Per parameter: a tensor subclass that gathers its own representation through FSDP2's
+    extension (``fsdp_pre_all_gather``: torchao's float8 weights), in its gather dtype; empty
+    where none does ([Note: weights that gather themselves])."""
 
 
 def unit_layout(module: FSDPModule | CommGroup) -> UnitLayout:
@@ -122,12 +128,36 @@ def unit_layout(module: FSDPModule | CommGroup) -> UnitLayout:
         shapes=[p.sharded_param.shape for p in params],
         padded_numels=[p.padded_sharded_param_size.numel() * world_size for p in params],
         trainable=[p.sharded_param.requires_grad for p in params],
-        gather_dtypes=[param_dtype or p.sharded_param.dtype for p in params],
+        gather_dtypes=[self_gathered_dtype(p._sharded_local_tensor, param_dtype or p.sharded_param.dtype)
+                       for p in params],
         shard_group_size=world_size,
         post_forward_group_size=post_forward.shard_mesh_size if post_forward is not None else world_size,
         kept_whole_after_forward=post_forward is None,
         reduce_dtype=param_group.mp_policy.reduce_dtype or param_dtype or params[0].sharded_param.dtype,
+        self_gathered=tuple(gathers_itself(p._sharded_local_tensor) for p in params)
+        if any(gathers_itself(p._sharded_local_tensor) for p in params) else (),
     )
+
+
+def gathers_itself(tensor: torch.Tensor) -> bool:
+    """[Note: weights that gather themselves]
+    A parameter whose local tensor is a subclass defining FSDP2's all-gather extension
+    (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``) hands FSDP2 its own all-gather inputs:
+    torchao's float8 training weights (``enable_fsdp_float8_all_gather``) cast themselves to
+    float8 with a scale agreed over the shard group (an all-reduce of the amax) and travel as 1
+    byte per weight, in forward and again in backward. FSDP2 gathers a unit holding one as a byte
+    buffer; it cannot reshard such a parameter to a smaller mesh after forward (it raises
+    NotImplementedError), so hpZ can keep no copy of it. zeropp leaves such a unit's gathers to the
+    extension (qwZ's INT8 would not save bytes on float8 and would code a code) and keeps no hpZ
+    copy of it; its gradients are plain tensors, which qgZ reduces."""
+    return hasattr(tensor, "fsdp_pre_all_gather")
+
+
+def self_gathered_dtype(tensor: torch.Tensor, default: torch.dtype) -> torch.dtype:
+    """The dtype ``tensor`` all-gathers itself in when it gathers itself (torchao's float8
+    weights keep it as ``_dtype``), else ``default``."""
+    dtype = getattr(tensor, "_dtype", None) if gathers_itself(tensor) else None
+    return dtype if isinstance(dtype, torch.dtype) else default
 
 
 def root_kept_whole_after_forward(root: FSDPModule) -> bool:

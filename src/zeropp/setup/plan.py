@@ -38,9 +38,11 @@ from zeropp.config import ZeroPPConfig
 from zeropp.fsdp.access import (
     UnitLayout,
     comm_groups,
+    gathers_itself,
     offloads_to_cpu,
     replicate_group,
     root_kept_whole_after_forward,
+    self_gathered_dtype,
     shard_group_ranks,
     unit_layout,
     unit_parameters,
@@ -212,9 +214,10 @@ def plan_bare(model: nn.Module, config: ZeroPPConfig, topology: Topology, units:
             names=[param_names[id(p)] for p in params], shapes=[p.shape for p in params],
             padded_numels=[-(-p.shape[0] // world) * world * math.prod(p.shape[1:]) for p in params],
             trainable=[p.requires_grad for p in params],
-            gather_dtypes=[config.param_dtype or p.dtype for p in params],
+            gather_dtypes=[self_gathered_dtype(p, config.param_dtype or p.dtype) for p in params],
             shard_group_size=world if params else 1, post_forward_group_size=world if params else 1,
-            reduce_dtype=config.reduce_dtype or config.param_dtype or params[0].dtype if params else None)
+            reduce_dtype=config.reduce_dtype or config.param_dtype or params[0].dtype if params else None,
+            self_gathered=tuple(map(gathers_itself, params)) if any(map(gathers_itself, params)) else ())
         planned[id(unit)] = (names[id(unit)], type(unit).__name__, layout, tuple(range(world)), None)
     in_order = [planned[id(module)] for module in model.modules() if id(module) in planned]  # the root first
     return _plan(config, topology, in_order, _scalar_bytes(model), _model_refusals(model, config, topology))
@@ -250,16 +253,20 @@ def _plan(config: ZeroPPConfig, topology: Topology, planned: list, scalar_bytes:
           refusals: list[str]) -> Plan:
     """Each unit's techniques and refusals, from its layout and groups."""
     hpz_mesh = config.hpz_partition_size not in (1, topology.world_size)
-    units, warnings = [], []
+    units, warnings, self_gathered = [], [], []
     for name, kind, layout, shard_ranks, replica_ranks in planned:
         refusals += _unit_refusals(f"unit {name!r} ({kind})", layout, shard_ranks, replica_ranks, config, topology)
-        quantized = quantized_parameters(layout, config.quantized_weights, config.quantized_nontrainable_weights,
-                                         config.unquantized_parameters)
+        if any(layout.self_gathered):  # [Note: weights that gather themselves]
+            quantized = [False] * len(layout.names)
+            self_gathered.append(name)
+        else:
+            quantized = quantized_parameters(layout, config.quantized_weights, config.quantized_nontrainable_weights,
+                                             config.unquantized_parameters)
         trainable = [i for i, t in enumerate(layout.trainable) if t]
         spared = full_precision_gradients([layout.names[i] for i in trainable], [layout.shapes[i] for i in trainable],
                                           config.grad_full_precision_parameters, config.grad_full_precision_below)
         on_world = layout.shard_group_size == topology.world_size
-        on_hpz_mesh = hpz_mesh and on_world and not layout.kept_whole_after_forward
+        on_hpz_mesh = hpz_mesh and on_world and not layout.kept_whole_after_forward and not any(layout.self_gathered)
         partition = config.hpz_partition_size if on_hpz_mesh else layout.post_forward_group_size
         smaller_after_forward = partition < layout.shard_group_size
         if not layout.padded_numels:
@@ -275,6 +282,13 @@ def _plan(config: ZeroPPConfig, topology: Topology, planned: list, scalar_bytes:
         gradients = "qgZ" if config.quantized_gradients else "fsdp"
         units.append(UnitPlan(name, kind, layout, tuple(shard_ranks), replica_ranks, tuple(quantized), tuple(spared),
                               secondary, partition, gradients, replicas))
+    if self_gathered and (config.quantized_weights or config.quantized_nontrainable_weights or hpz_mesh):
+        warnings.append(
+            f"zeropp: {len(self_gathered)} unit(s) ({', '.join(self_gathered[:3])}"
+            f"{', ...' if len(self_gathered) > 3 else ''}) "
+            "hold weights that gather themselves through FSDP2's extension (torchao's float8 all-gather, 1 byte per "
+            "weight): qwZ leaves their gathers to it, hpZ keeps no copy of them (FSDP2 cannot reshard them to a "
+            "node partition), and qgZ reduces their gradients")
     with_params = [unit for unit in units if unit.layout.padded_numels]
     if config.quantized_weights and not config.quantize_intra_node_weights and with_params and all(
             len({topology.node_of(rank) for rank in unit.shard_ranks}) == 1 for unit in with_params):
