@@ -147,9 +147,13 @@ def gathers_itself(tensor: torch.Tensor) -> bool:
     float8 with a scale agreed over the shard group (an all-reduce of the amax) and travel as 1
     byte per weight, in forward and again in backward. FSDP2 gathers a unit holding one as a byte
     buffer; it cannot reshard such a parameter to a smaller mesh after forward (it raises
-    NotImplementedError), so hpZ can keep no copy of it. zeropp leaves such a unit's gathers to the
-    extension (qwZ's INT8 would not save bytes on float8 and would code a code) and keeps no hpZ
-    copy of it; its gradients are plain tensors, which qgZ reduces."""
+    NotImplementedError), so hpZ cannot use FSDP2's secondary copy. zeropp leaves such a unit's
+    gathers to the extension (qwZ's INT8 would not save bytes on float8 and would code a code);
+    with hpZ the unit reshards fully after forward and zeropp keeps the forward gather's bytes
+    itself, each of the node's ranks its share of the rows, and serves backward's gather from them
+    inside the node (``zeropp.techniques.hpz_mesh.NodeCopy``, as on a 2-D mesh): the same float8
+    bytes, the scale recomputed by the extension from the same weights. Its gradients are plain
+    tensors, which qgZ reduces."""
     return hasattr(tensor, "fsdp_pre_all_gather")
 
 

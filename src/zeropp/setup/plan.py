@@ -273,6 +273,8 @@ def _plan(config: ZeroPPConfig, topology: Topology, planned: list, scalar_bytes:
             secondary = "none"
         elif not on_world and config.hpz_partition_size > 1:
             secondary = "node copy"
+        elif any(layout.self_gathered) and hpz_mesh and on_world and not layout.kept_whole_after_forward:
+            secondary = "node copy"  # [Note: weights that gather themselves]: zeropp's copy, over the node
         elif smaller_after_forward:
             secondary = "codes" if any(quantized) else "fsdp"
         else:
@@ -287,8 +289,8 @@ def _plan(config: ZeroPPConfig, topology: Topology, planned: list, scalar_bytes:
             f"zeropp: {len(self_gathered)} unit(s) ({', '.join(self_gathered[:3])}"
             f"{', ...' if len(self_gathered) > 3 else ''}) "
             "hold weights that gather themselves through FSDP2's extension (torchao's float8 all-gather, 1 byte per "
-            "weight): qwZ leaves their gathers to it, hpZ keeps no copy of them (FSDP2 cannot reshard them to a "
-            "node partition), and qgZ reduces their gradients")
+            "weight): qwZ leaves their gathers to it; hpZ keeps their forward's float8 bytes as zeropp's own copy "
+            "over each node's ranks (FSDP2 cannot reshard them to a node partition); qgZ reduces their gradients")
     with_params = [unit for unit in units if unit.layout.padded_numels]
     if config.quantized_weights and not config.quantize_intra_node_weights and with_params and all(
             len({topology.node_of(rank) for rank in unit.shard_ranks}) == 1 for unit in with_params):
