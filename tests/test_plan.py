@@ -205,6 +205,19 @@ def test_calibration_recovers_known_constants(serial_cost: dict[str, float]) -> 
             fitted.predict(step), rel=1e-9)
 
 
+def test_calibration_keeps_a_measured_optimizer_rate() -> None:
+    """Given the optimizer's cost per parameter (measured on the host), the fit keeps it exactly
+    and recovers the other constants around it; told a wrong one (half), it cannot fit the steps
+    as well."""
+    measured = _synthetic_measurements(KNOWN, link_efficiency=0.93)
+    fitted = calibrate.fit(measured, {}, KNOWN.update_s_per_parameter)
+    assert fitted.coefficients[calibrate.LINEAR.index("sharded_parameters")] == KNOWN.update_s_per_parameter
+    assert fitted.coefficients[2:4] == pytest.approx([KNOWN.latency_s, 1 / KNOWN.codec_elements_per_s], rel=1e-2)
+    assert max(map(abs, fitted.relative_errors)) < 1e-3
+    wrong = calibrate.fit(measured, {}, KNOWN.update_s_per_parameter / 2)
+    assert max(map(abs, wrong.relative_errors)) > 10 * max(map(abs, fitted.relative_errors))
+
+
 def test_overlap_on_a_cpu_backend_takes_the_longer_of_cpu_and_link() -> None:
     """With ``overlap`` on gloo the step is the longer of the CPU's work and the link's time plus
     the optimizer, and the part of the shorter that does not overlap ([Note: overlap on a CPU

@@ -167,12 +167,18 @@ OVERLAPS = np.linspace(0.0, 1.0, 101)
 """The overlap fractions searched for steps with ``overlap``."""
 
 
-def fit(measurements: Sequence[Measurement], serial_cost: Mapping[str, float] | None = None) -> Fit:
+def fit(measurements: Sequence[Measurement], serial_cost: Mapping[str, float] | None = None,
+        update_s_per_parameter: float | None = None) -> Fit:
     """The constants that best explain ``measurements``, see [Note: calibration]; ``serial_cost``:
     each collective's measured cost per sent byte relative to the rest (``Machine.serial_cost``;
     one rate for all without it). The steps without ``overlap`` give the seven constants; then
-    those with it, if any, give the one fraction of [Note: overlap on a CPU backend]."""
+    those with it, if any, give the one fraction of [Note: overlap on a CPU backend].
+    ``update_s_per_parameter``: the optimizer's cost per sharded parameter measured on the host
+    (``benchmarks/optimizer_rate.py``), kept as it is instead of fitted: on small models its share
+    of a step is too small to separate, and a layout whose ranks update more parameters (HSDP's
+    shard of half the model where ZeRO-3's is a quarter) then reads fast."""
     serial_cost = dict(serial_cost or {})
+    fixed = LINEAR.index("sharded_parameters")
     plain = [m for m in measurements if not overlapped(m)]
     if len(plain) < len(LINEAR) + 2:
         raise ValueError(f"calibration needs at least {len(LINEAR) + 2} measured steps without overlap (one per "
@@ -184,9 +190,18 @@ def fit(measurements: Sequence[Measurement], serial_cost: Mapping[str, float] | 
     steps = [amounts(m, serial_cost) for m in plain]
     x = np.stack([a.linear for a in steps]) / y[:, None]
 
+    x_fitted = x.copy()
+    if update_s_per_parameter is not None:
+        x_fitted[:, fixed] = 0.0  # not fitted: its share of each step is taken off first
+
     def solve(send_rate: float, efficiency: float) -> tuple[float, np.ndarray]:
         rest = 1 - np.array([_transfer_seconds(a, send_rate, efficiency) for a in steps]) / y
-        coefficients = _linear_fit(x, rest)
+        if update_s_per_parameter is not None:
+            rest = rest - x[:, fixed] * update_s_per_parameter
+        coefficients = _linear_fit(x_fitted, rest)
+        if update_s_per_parameter is not None:
+            coefficients[fixed] = update_s_per_parameter
+            rest = rest + x[:, fixed] * update_s_per_parameter
         return float(np.square(x @ coefficients - rest).sum()), coefficients
 
     rates, efficiencies = SEND_RATES, LINK_EFFICIENCIES

@@ -76,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--collective-rates", type=Path, default=None,
                         help="with --calibrate: benchmarks/collective_rates.py's JSON, to price each collective's "
                              "bytes at its own measured rate (default: one fitted rate for all)")
+    parser.add_argument("--optimizer-rate", type=Path, default=None,
+                        help="with --calibrate: benchmarks/optimizer_rate.py's JSON, the optimizer's cost per "
+                             "parameter measured on the host instead of fitted")
     parser.add_argument("--paper", action="store_true",
                         help="the ZeRO++ paper's throughput figures and an H100 projection, predicted")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/plan"))
@@ -174,7 +177,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.calibrate:
         from zeropp.tools.plan import emulated
 
-        emulated.run(args.calibration_records, args.validation_records, args.out, args.collective_rates)
+        emulated.run(args.calibration_records, args.validation_records, args.out, args.collective_rates,
+                     args.optimizer_rate)
         return 0
     if args.paper:
         from zeropp.tools.plan import report

@@ -89,14 +89,18 @@ def serial_cost(collective_rates: dict[str, Any]) -> dict[str, float]:
 
 
 def calibrate(calibration: Sequence[dict[str, Any]], validation: Sequence[dict[str, Any]],
-              collective_rates: dict[str, Any] | None = None) -> dict[str, Any]:
+              collective_rates: dict[str, Any] | None = None, optimizer_rate: dict[str, Any] | None = None
+              ) -> dict[str, Any]:
     """Fit on the ``calibration`` records and predict the ``validation`` ones (``bench_step.json``s);
     with ``collective_rates``, each collective's bytes are weighted by its measured cost
-    (``serial_cost``), else one sending rate prices them all."""
+    (``serial_cost``), else one sending rate prices them all; with ``optimizer_rate``
+    (``benchmarks/optimizer_rate.py``'s JSON) the optimizer's cost per parameter is the measured
+    one, else fitted."""
     fitted_on = [m for record in calibration for m in measurements(record)]
     predicted_for = [m for record in validation for m in measurements(record)]
     weights = serial_cost(collective_rates) if collective_rates is not None else {}
-    fitted = fit(fitted_on, weights)
+    update = optimizer_rate["update_s_per_parameter"] if optimizer_rate is not None else None
+    fitted = fit(fitted_on, weights, update)
     constants = dict(zip(LINEAR, fitted.coefficients, strict=True))
     return {
         "constants": {
@@ -116,8 +120,8 @@ def calibrate(calibration: Sequence[dict[str, Any]], validation: Sequence[dict[s
         "summary": {
             "fitted_within_tolerance": _within(compare(fitted, fitted_on)),
             "predicted_within_tolerance": _within(compare(fitted, predicted_for)),
-            "all_sizes_fitted_together_within_tolerance": _within(compare(fit([*fitted_on, *predicted_for], weights),
-                                                                          [*fitted_on, *predicted_for])),
+            "all_sizes_fitted_together_within_tolerance": _within(compare(
+                fit([*fitted_on, *predicted_for], weights, update), [*fitted_on, *predicted_for])),
         },
     }
 
@@ -174,7 +178,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 
 def run(calibration_paths: Sequence[Path], validation_paths: Sequence[Path], out_dir: Path,
-        collective_rates_path: Path | None = None) -> dict[str, Any]:
+        collective_rates_path: Path | None = None, optimizer_rate_path: Path | None = None) -> dict[str, Any]:
     """Calibrate on some ``bench_step.json``s, predict others; print, write JSON and PNG."""
     for path in [*calibration_paths, *validation_paths]:
         if not path.is_file():
@@ -184,12 +188,17 @@ def run(calibration_paths: Sequence[Path], validation_paths: Sequence[Path], out
         raise FileNotFoundError(f"{collective_rates_path} does not exist: measure it with zeropp launch --nodes 2 "
                                 "--nproc-per-node 2 --bandwidth unlimited -- benchmarks/collective_rates.py --out "
                                 f"{collective_rates_path}")
+    if optimizer_rate_path is not None and not optimizer_rate_path.is_file():
+        raise FileNotFoundError(f"{optimizer_rate_path} does not exist: measure it with python "
+                                f"benchmarks/optimizer_rate.py --out {optimizer_rate_path}")
     rates = json.loads(collective_rates_path.read_text()) if collective_rates_path is not None else None
+    optimizer = json.loads(optimizer_rate_path.read_text()) if optimizer_rate_path is not None else None
     result = calibrate([json.loads(p.read_text()) for p in calibration_paths],
-                       [json.loads(p.read_text()) for p in validation_paths], rates)
+                       [json.loads(p.read_text()) for p in validation_paths], rates, optimizer)
     result["calibration_records"] = [str(p) for p in calibration_paths]
     result["validation_records"] = [str(p) for p in validation_paths]
     result["collective_rates"] = str(collective_rates_path) if collective_rates_path is not None else None
+    result["optimizer_rate"] = str(optimizer_rate_path) if optimizer_rate_path is not None else None
     print(format_table(result))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "plan_calibration.json").write_text(json.dumps(result, indent=2))
