@@ -107,6 +107,13 @@ def _qgz_memory(data: dict[str, Any]) -> str:
     return f"qgZ's peak {ratios} (ZeRO-3's = 1)"
 
 
+def _float8(data: dict[str, Any]) -> str:
+    rows = {r["run"]: r["cross_node_bytes"] for r in data["rows"]}
+    alone, every = rows["torchao float8 gathers"], rows["float8 + all three"]
+    return (f"all three beside torchao's float8 gathers send **{every / alone:.2f}x** float8's cross-node bytes "
+            f"alone ({every / 1e6:.1f} MB against {alone / 1e6:.1f} a step)")
+
+
 def _layout(name: str) -> Callable[[dict[str, Any]], str]:
     def figure(data: dict[str, Any]) -> str:
         rows = {r["system"]: r for r in data["rows"] if r["layout"] == name and r["bandwidth"] == "100mbit"}
@@ -148,6 +155,10 @@ ROWS = (
     Row("pipeline 2 x FSDP 2 (1F1B), torchtitan's llama3 debug model, 4 nodes, 100 Mbit/s",
         "bench_layouts/bench_layouts.json", "zeropp bench layouts --out benchmarks/results/bench_layouts",
         _layout("pp"), "[layouts](docs/results.md#expert-and-pipeline-parallel-in-torchtitan)"),
+    Row("float8 training (torchao), 4 blocks of width 512, 2 x 2 ranks", "float8_bytes.json",
+        "ZEROPP_RANKS_PER_NODE=2 torchrun --nproc-per-node 4 benchmarks/float8_bytes.py --out "
+        "benchmarks/results/float8_bytes.json", _float8,
+        "[float8](docs/results.md#expert-and-pipeline-parallel-in-torchtitan)"),
 )
 
 
