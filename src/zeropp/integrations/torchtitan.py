@@ -164,9 +164,10 @@ def _counted(exchange: Callable[..., Any], dispatcher: Any, topology: Topology, 
 
 
 _REFUSED_PARALLELISMS = {
-    "context_parallel_degree": "context parallel folds into the FSDP mesh (dp_shard_cp); torch's context-parallel "
-                               "attention dispatches only CUDA's SDPA kernels (flash, efficient, cuDNN), so it "
-                               "has not run on gloo CPU ranks and no zeropp test has verified it",
+    "context_parallel_degree": "context parallel folds into the FSDP mesh (dp_shard_cp); its SDPA path dispatches "
+                               "only CUDA's kernels (flash, efficient, cuDNN) and FlexAttention, its other path, "
+                               "has no backward on CPU, so it has not trained on gloo CPU ranks and no zeropp test "
+                               "has verified it",
 }
 """Parallelisms zeropp's comms are not verified with, and why (expert parallel, which gives
 routed experts their own FSDP mesh, is: each mesh's parameter group gets its comms; pipeline
