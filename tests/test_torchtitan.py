@@ -61,24 +61,12 @@ def _trainer_config(mode: str):
 
 
 def _build(config, world_size: int) -> torch.nn.Module:
-    """What torchtitan's Trainer does to get a sharded, initialised model (trainer.py)."""
-    import torchtitan.distributed.parallel_dims as parallel_dims_module
-    from torchtitan.distributed import ParallelDims
+    """What torchtitan's Trainer does to get a sharded, initialised model (trainer.py), on the
+    ``world_size`` ranks of the process group."""
+    from zeropp.tools.bench.layouts import build_parts
 
-    parallel_dims_module.device_type = "cpu"  # torchtitan's meshes default to CUDA
-    parallel_dims = ParallelDims.from_config(config.parallelism, world_size)
-    model_config = config.model_spec.model
-    model_config.update_from_config(config=config)
-    with torch.device("meta"):
-        model = model_config.build()
-    model = config.model_spec.parallelize_fn(
-        model, parallel_dims=parallel_dims, training=config.training, parallelism=config.parallelism,
-        compile_config=config.compile, ac_config=config.activation_checkpoint, dump_folder=config.dump_folder)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-    model.train()
+    assert torch.distributed.get_world_size() == world_size
+    _, _, (model,), _, _ = build_parts(config)
     return model
 
 

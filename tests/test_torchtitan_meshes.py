@@ -31,6 +31,7 @@ import torch
 import torch.distributed.fsdp
 
 import zeropp
+from bounds import QMAX_INT4, half_steps
 from distributed import run_distributed
 
 if sys.version_info < (3, 11) or not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"):
@@ -43,7 +44,6 @@ TWO_BY_TWO = {"ZEROPP_RANKS_PER_NODE": "2"}
 TENSOR_PARALLEL = ["--parallelism.tensor_parallel_degree", "2"]
 REPLICATE = ["--parallelism.data_parallel_replicate_degree", "2"]
 LAYOUTS = {"tp": TENSOR_PARALLEL, "hsdp": REPLICATE, "hsdp_tp": REPLICATE + TENSOR_PARALLEL}
-BLOCK_SIZE, QMAX_INT4 = 256, 7
 FLOAT_SLACK = 1e-6
 """Relative room for fp32 rounding where a quantized sum is compared to an exact one."""
 SHOWN = "feed_forward.w2.weight"
@@ -137,15 +137,6 @@ def _global_sum(value: torch.Tensor) -> float:
     return total.item()
 
 
-def _half_steps(contribution: torch.Tensor, qmax: int) -> torch.Tensor:
-    """Half the quantization step of every element of one parameter's shard: blocks of
-    ``BLOCK_SIZE`` from the start of the shard (its segment of the unit's chunk), step = the
-    block's absmax / ``qmax``."""
-    flat = contribution.reshape(-1).float()
-    blocks = torch.nn.functional.pad(flat, (0, -flat.numel() % BLOCK_SIZE)).view(-1, BLOCK_SIZE)
-    return (blocks.abs().amax(1) / qmax / 2).repeat_interleave(BLOCK_SIZE)[:flat.numel()]
-
-
 def _qgz_excess(quantized: dict, exact: dict, contributions: list[dict], batch: int) -> dict[str, float]:
     """Per parameter, the largest (error - bound) / bound of qgZ's summed gradient shard against
     the exact sum. Shard group of one rank per node: hop 1 has nothing to do and hop 2 sends
@@ -154,7 +145,7 @@ def _qgz_excess(quantized: dict, exact: dict, contributions: list[dict], batch: 
     excess = {}
     for name, reference in exact.items():
         others = [part[name] for b, part in enumerate(contributions) if b != batch]
-        bound = sum(_half_steps(c, QMAX_INT4) for c in others).view_as(reference)
+        bound = sum(half_steps(c, QMAX_INT4) for c in others).view_as(reference)
         bound = bound * (1 + FLOAT_SLACK) + FLOAT_SLACK * sum(part[name].abs() for part in contributions) + 1e-30
         excess[name] = ((quantized[name] - reference).abs() - bound).div(bound).max().item()
     return excess

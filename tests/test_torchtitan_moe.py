@@ -20,6 +20,7 @@ import torch
 import torch.distributed.fsdp
 
 import zeropp
+from bounds import half_steps
 from distributed import run_distributed
 
 if sys.version_info < (3, 11) or not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"):
@@ -33,7 +34,7 @@ LAYOUTS = {"ep": EXPERT_PARALLEL, "ep_tp": [*EXPERT_PARALLEL, "--parallelism.ten
 """Expert parallel 2 alone, and with tensor parallel 2 (tensor parallel inside each node, so the
 data-parallel ranks are one per node; expert parallel borrows the tensor parallel ranks, so the
 experts' shard group is again one rank per node)."""
-LOCAL_BATCH, SEQ_LEN, QMAX_INT4, BLOCK_SIZE, NUM_LAYERS, NUM_EXPERTS, TOP_K = 2, 16, 7, 256, 2, 8, 2
+LOCAL_BATCH, SEQ_LEN, NUM_LAYERS, NUM_EXPERTS, TOP_K = 2, 16, 2, 8, 2
 
 
 def _trainer_config(config: zeropp.ZeroPPConfig | None, layout: str = "ep"):
@@ -101,12 +102,6 @@ def _run(config: zeropp.ZeroPPConfig | None, world_size: int, contributions: boo
             "table": None if explained is None else str(explained)}
 
 
-def _half_steps(contribution: torch.Tensor) -> torch.Tensor:
-    flat = contribution.reshape(-1).float()
-    blocks = torch.nn.functional.pad(flat, (0, -flat.numel() % BLOCK_SIZE)).view(-1, BLOCK_SIZE)
-    return (blocks.abs().amax(1) / QMAX_INT4 / 2).repeat_interleave(BLOCK_SIZE)[:flat.numel()].view_as(contribution)
-
-
 def _worker(rank: int, world_size: int, layout: str) -> dict:
     reference = _run(None, world_size, layout=layout)
     zero3 = _run(zeropp.ZeroPPConfig(), world_size, layout=layout)
@@ -116,7 +111,7 @@ def _worker(rank: int, world_size: int, layout: str) -> dict:
     for name, exact in weights["grads"].items():
         # each rank's contribution is coded at most twice: as a row (hop 1, INT8 or INT4) and inside
         # its node's partial (hop 2, INT4: the partial's step at most the sum of its rows' steps)
-        bound = 2 * sum(_half_steps(part[name]) for part in weights["contributions"])
+        bound = 2 * sum(half_steps(part[name]) for part in weights["contributions"])
         bound = bound * (1 + 1e-6) + 1e-6 * sum(part[name].abs() for part in weights["contributions"]) + 1e-30
         excess[name] = ((both["grads"][name] - exact).abs() - bound).max().item()
     try:

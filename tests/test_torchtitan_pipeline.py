@@ -26,6 +26,7 @@ import torch
 import torch.distributed.fsdp
 
 import zeropp
+from bounds import half_steps
 from distributed import run_distributed
 
 if sys.version_info < (3, 11) or not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"):
@@ -35,7 +36,7 @@ from test_torchtitan import CPU_OVERRIDES, _force_sum  # noqa: E402
 
 ONE_RANK_PER_NODE = {"ZEROPP_RANKS_PER_NODE": "1"}
 SCHEDULES = ("1F1B", "Interleaved1F1B")
-LOCAL_BATCH, SEQ_LEN, BLOCK_SIZE, QMAX_INT4 = 4, 16, 256, 7
+LOCAL_BATCH, SEQ_LEN = 4, 16
 """Four microbatches of one sequence per data-parallel rank (torchtitan's microbatch size, 1)."""
 QWZ = zeropp.ZeroPPConfig(quantized_weights=True)
 QWZ_QGZ = zeropp.ZeroPPConfig(quantized_weights=True, quantized_gradients=True)
@@ -77,28 +78,10 @@ class _Loss:
 def _build(trainer_config, world_size: int, loss: _Loss):
     """What torchtitan's Trainer does under pipeline parallelism (trainer.py): the meta model cut
     by the model spec's ``pipelining_fn``, each part parallelized, moved and initialised."""
-    import torchtitan.distributed.parallel_dims as parallel_dims_module
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.distributed import utils as dist_utils
+    from zeropp.tools.bench.layouts import build_parts
 
-    dist_utils.set_spmd_backend(trainer_config.parallelism.spmd_backend)
-    parallel_dims_module.device_type = "cpu"  # torchtitan's meshes default to CUDA
-    parallel_dims = ParallelDims.from_config(trainer_config.parallelism, world_size)
-    spec, model_config = trainer_config.model_spec, trainer_config.model_spec.model
-    model_config.update_from_config(config=trainer_config)
-    with torch.device("meta"):
-        model = model_config.build()
-    schedule, parts, first, last = spec.pipelining_fn(
-        model, parallel_dims=parallel_dims, training=trainer_config.training, parallelism=trainer_config.parallelism,
-        compile_config=trainer_config.compile, ac_config=trainer_config.activation_checkpoint,
-        dump_folder=trainer_config.dump_folder, device=torch.device("cpu"), model_config=model_config,
-        parallelize_fn=spec.parallelize_fn, loss_fn=loss)
-    torch.manual_seed(0)
-    for part in parts:
-        part.to_empty(device="cpu")
-        with torch.no_grad():
-            part.init_weights(buffer_device=None)
-        part.train()
+    assert torch.distributed.get_world_size() == world_size
+    _, schedule, parts, first, last = build_parts(trainer_config, loss)
     return schedule, parts, first, last
 
 
@@ -157,12 +140,6 @@ def _run(schedule_name: str, config: zeropp.ZeroPPConfig | None, world_size: int
             "names": [[name for name, _ in part.named_parameters()] for part in parts]}
 
 
-def _half_steps(contribution: torch.Tensor) -> torch.Tensor:
-    flat = contribution.reshape(-1).float()
-    blocks = torch.nn.functional.pad(flat, (0, -flat.numel() % BLOCK_SIZE)).view(-1, BLOCK_SIZE)
-    return (blocks.abs().amax(1) / QMAX_INT4 / 2).repeat_interleave(BLOCK_SIZE)[:flat.numel()].view_as(contribution)
-
-
 def _worker(rank: int, world_size: int) -> dict:
     results = {}
     for schedule in SCHEDULES:
@@ -173,7 +150,7 @@ def _worker(rank: int, world_size: int) -> dict:
         excess = {}
         for name, exact in weights["grads"].items():
             # one hop across the two nodes: each rank's contribution coded once, INT4, as a row
-            bound = sum(_half_steps(part[name]) for part in weights["contributions"])
+            bound = sum(half_steps(part[name]) for part in weights["contributions"])
             bound = bound * (1 + 1e-6) + 1e-6 * sum(part[name].abs() for part in weights["contributions"]) + 1e-30
             excess[name] = ((both["grads"][name] - exact).abs() - bound).max().item()
         results[schedule] = {

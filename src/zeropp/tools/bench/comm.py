@@ -72,16 +72,24 @@ def exclusive_cluster(num_nodes: int, bandwidth: str | None, wait_s: float = 900
         cluster.down()
 
 
+def launch_job(module: str, args: list[str], num_nodes: int, ranks_per_node: int, what: object,
+               master_port: int = 29511) -> tuple[dict[str, Any], LaunchResult]:
+    """Run ``python -m module --out <file> args`` on the running cluster; the JSON record its rank 0
+    writes and the launch result (``what``: the job, for the error)."""
+    with tempfile.TemporaryDirectory(prefix="zeropp-bench-") as folder:
+        out = Path(folder) / "record.json"
+        result = launch(["python", "-m", module, "--out", str(out), *args], num_nodes, ranks_per_node,
+                        master_port=master_port)
+        if result.exit_code != 0 or not out.exists():
+            raise RuntimeError(f"the benchmark job {what} failed (exit {result.exit_code})")
+        return json.loads(out.read_text()), result
+
+
 def launch_worker(config: WorkerConfig, num_nodes: int, ranks_per_node: int,
                   master_port: int = 29511) -> tuple[dict[str, Any], LaunchResult]:
     """Run the worker on the running cluster; its record and the launch result."""
-    with tempfile.TemporaryDirectory(prefix="zeropp-bench-") as folder:
-        out = Path(folder) / "record.json"
-        command = ["python", "-m", "zeropp.tools.bench.worker", "--out", str(out), *config.worker_args()]
-        result = launch(command, num_nodes, ranks_per_node, master_port=master_port)
-        if result.exit_code != 0 or not out.exists():
-            raise RuntimeError(f"the benchmark job {config.modes} failed (exit {result.exit_code})")
-        return json.loads(out.read_text()), result
+    return launch_job("zeropp.tools.bench.worker", config.worker_args(), num_nodes, ranks_per_node, config.modes,
+                      master_port)
 
 
 def link_classes(record: dict[str, Any]) -> dict[str, Any]:

@@ -27,7 +27,6 @@ import dataclasses
 import json
 import os
 import statistics
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -38,10 +37,9 @@ import torch
 import torch.distributed as dist
 
 import zeropp
-from zeropp.tools.bench.comm import exclusive_cluster
+from zeropp.tools.bench.comm import exclusive_cluster, launch_job
 from zeropp.tools.bench.quant import _machine as machine_info
 from zeropp.tools.bench.worker import Window, gather_json
-from zeropp.tools.cluster import launch
 
 BASELINE = "torchtitan"
 SYSTEMS: dict[str, zeropp.ZeroPPConfig | None] = {
@@ -135,19 +133,19 @@ def _force_sum(parts: Sequence[torch.nn.Module]) -> None:
                 module.set_force_sum_reduction_for_comms(True)
 
 
-def build(layout: Layout, config: zeropp.ZeroPPConfig | None) -> tuple[Callable[[int], float], list[torch.nn.Module]]:
-    """``layout``'s model built, sharded and initialised as torchtitan's Trainer does it, and a
-    training step (forward and backward, through the pipeline schedule under pipeline parallel,
-    then AdamW): step(i) trains on batch i and returns this rank's share of the global loss."""
+def build_parts(loaded: Any, loss_fn: Callable | None = None) -> tuple[Any, Any, list[torch.nn.Module], bool, bool]:
+    """What torchtitan's Trainer does to get its model on this process group (trainer.py): the
+    meta model, cut into stages by the model spec's pipelining function under pipeline parallel
+    (its schedule calling ``loss_fn``), each part parallelized, moved to the CPU and initialised
+    from seed 0. Returns the parallel dims, the schedule (None without pipeline parallel), the
+    parts, and whether they hold the first and the last stage."""
     import torchtitan.distributed.parallel_dims as parallel_dims_module
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
 
-    loaded = trainer_config(layout, config)
-    world_size = dist.get_world_size()
     dist_utils.set_spmd_backend(loaded.parallelism.spmd_backend)
     parallel_dims_module.device_type = "cpu"  # torchtitan's meshes default to CUDA
-    parallel_dims = ParallelDims.from_config(loaded.parallelism, world_size)
+    parallel_dims = ParallelDims.from_config(loaded.parallelism, dist.get_world_size())
     spec, model_config = loaded.model_spec, loaded.model_spec.model
     model_config.update_from_config(config=loaded)
     with torch.device("meta"):
@@ -155,26 +153,35 @@ def build(layout: Layout, config: zeropp.ZeroPPConfig | None) -> tuple[Callable[
     options = dict(parallel_dims=parallel_dims, training=loaded.training, parallelism=loaded.parallelism,
                    compile_config=loaded.compile, ac_config=loaded.activation_checkpoint,
                    dump_folder=loaded.dump_folder)
-    batches = world_size // parallel_dims.pp
-    loss = _Loss(batches * LOCAL_BATCH * SEQ_LEN)
     if parallel_dims.pp_enabled:
         schedule, parts, first, last = spec.pipelining_fn(
             model, **options, device=torch.device("cpu"), model_config=model_config,
-            parallelize_fn=spec.parallelize_fn, loss_fn=loss)
-        batch = parallel_dims.get_mesh("fsdp").get_local_rank()
+            parallelize_fn=spec.parallelize_fn, loss_fn=loss_fn)
     else:
         schedule, parts, first, last = None, [spec.parallelize_fn(model, **options)], True, True
-        batch = dist.get_rank()
     torch.manual_seed(0)
     for part in parts:
         part.to_empty(device="cpu")
         with torch.no_grad():
             part.init_weights(buffer_device=None)
         part.train()
+    return parallel_dims, schedule, parts, first, last
+
+
+def build(layout: Layout, config: zeropp.ZeroPPConfig | None) -> tuple[Callable[[int], float], list[torch.nn.Module]]:
+    """``layout``'s model built, sharded and initialised as torchtitan's Trainer does it, and a
+    training step (forward and backward, through the pipeline schedule under pipeline parallel,
+    then AdamW): step(i) trains on batch i and returns this rank's share of the global loss."""
+    loaded = trainer_config(layout, config)
+    pipeline = loaded.parallelism.pipeline_parallel_degree
+    batches = dist.get_world_size() // pipeline
+    loss = _Loss(batches * LOCAL_BATCH * SEQ_LEN)
+    parallel_dims, schedule, parts, first, last = build_parts(loaded, loss)
+    batch = parallel_dims.get_mesh("fsdp").get_local_rank() if schedule is not None else dist.get_rank()
     if config is None:
         _force_sum(parts)
     optimizers = loaded.optimizer.build(model_parts=parts)
-    vocab = model_config.vocab_size
+    vocab = loaded.model_spec.model.vocab_size
 
     def step(index: int) -> float:
         tokens = torch.randint(0, vocab, (batches, LOCAL_BATCH, SEQ_LEN + 1),
@@ -275,14 +282,11 @@ def run(out_dir: str = "benchmarks/results", layouts: Sequence[str] = tuple(LAYO
     for bandwidth in bandwidths:
         for name in layouts:
             layout = LAYOUTS[name]
-            with exclusive_cluster(layout.num_nodes, bandwidth), tempfile.TemporaryDirectory() as folder:
-                out = Path(folder) / "record.json"
-                result = launch(["python", "-m", "zeropp.tools.bench.layouts", "--layout", name, "--steps", str(steps),
-                                 "--warmup-steps", str(warmup_steps), "--wire", "--out", str(out)],
-                                layout.num_nodes, layout.ranks_per_node, master_port=29512)
-                if result.exit_code != 0 or not out.exists():
-                    raise RuntimeError(f"the {name} layout's job failed (exit {result.exit_code})")
-                record = json.loads(out.read_text())
+            with exclusive_cluster(layout.num_nodes, bandwidth):
+                record, result = launch_job(
+                    "zeropp.tools.bench.layouts", ["--layout", name, "--steps", str(steps), "--warmup-steps",
+                                                   str(warmup_steps), "--wire"],
+                    layout.num_nodes, layout.ranks_per_node, f"of the {name} layout", master_port=29512)
             records.append({**record, "bandwidth": bandwidth, "elapsed_s": result.elapsed_s})
             rows += rows_of(record, bandwidth)
             print(format_table(rows_of(record, bandwidth)), flush=True)
