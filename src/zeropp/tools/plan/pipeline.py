@@ -43,14 +43,22 @@ from zeropp.config import ZeroPPConfig
 from zeropp.fsdp.ledger import Op
 from zeropp.setup.topology import Topology
 from zeropp.tools.modes import MODES, System
-from zeropp.tools.plan.cost import GBIT, Machine, Workload, cross_node_bytes_per_node, transfer_seconds, unit_compute_s
+from zeropp.tools.plan.cost import (
+    GBIT,
+    Machine,
+    Workload,
+    cross_node_bytes_per_node,
+    sharded_parameters,
+    transfer_seconds,
+    unit_compute_s,
+)
 from zeropp.tools.plan.layout import Layout
-from zeropp.tools.plan.memory import unit_bytes
+from zeropp.tools.plan.memory import PARAMETER_BYTES, unit_bytes
 from zeropp.tools.plan.model import ModelShape, UnitShape
 from zeropp.tools.plan.traffic import Transfer, padded_numels, step_transfers
 
-ADAMW_STATE_BYTES = 16
-"""Bytes per sharded parameter besides the gathered copies: fp32 shard, its gradient, AdamW's two states."""
+STATE_BYTES = 4 * PARAMETER_BYTES
+"""Bytes per sharded parameter besides the gathered copies: the shard, its gradient, AdamW's two states."""
 
 
 def stage_models(model: ModelShape, degree: int) -> list[ModelShape]:
@@ -124,7 +132,7 @@ def _stage_memory(stage: ModelShape, config: ZeroPPConfig, topology: Topology, w
                         last and i == len(stage.units) - 1, workload.activation_checkpointing, Layout())
              for i, unit in enumerate(stage.units)]
     numels = [sum(padded_numels(unit, topology.world_size)) for unit in stage.units]
-    state = sum(n / topology.world_size for n in numels) * ADAMW_STATE_BYTES
+    state = sum(n / topology.world_size for n in numels) * STATE_BYTES
     weights = sum(u.whole for u in units) + max(u.gather_forward for u in units)
     gradients = sum(n * precision.reduce_dtype.itemsize for n in numels) + max(u.reduce_input for u in units)
     activations = (in_flight * sum(u.activations for u in units) + max(u.recompute for u in units)
@@ -171,8 +179,8 @@ def pipeline_step(model: ModelShape, config: ZeroPPConfig | None, topology: Topo
     reduces = [sum(transfer_seconds(t, group, machine) for unit in unit_transfers for t in unit
                    if t.op is not Op.ALL_GATHER) for unit_transfers in transfers]
     finish = max(pipe - s * backward_slot + reduce for s, reduce in enumerate(reduces))
-    optimizer = max(sum(sum(padded_numels(unit, group.world_size)) / group.world_size for unit in stage.units)
-                    for stage in stages) * machine.update_s_per_parameter
+    optimizer = (max(sharded_parameters(stage, config, group, Layout()) for stage in stages)
+                 * machine.update_s_per_parameter)
     sends = [activation * microbatches * topology.ranks_per_node * ((s > 0) + (s < degree - 1)) for s in range(degree)]
     cross = max(cross_node_bytes_per_node([t for unit in unit_transfers for t in unit], group, machine.backend)
                 + sent for unit_transfers, sent in zip(transfers, sends))
@@ -182,11 +190,6 @@ def pipeline_step(model: ModelShape, config: ZeroPPConfig | None, topology: Topo
                         bubble_s=(degree - 1) * (forward_slot + backward_slot), gathers_s=gathers,
                         reduce_s=finish - pipe, sends_s=2 * send, optimizer_s=optimizer,
                         cross_node_bytes_per_node=cross, memory=max(memories, key=lambda m: m["total"]))
-
-
-PIPELINE_MODES = ("zero3", "qwz", "qgz", "qwz_qgz")
-"""The modes priced under pipeline parallel: ZeRO-3 (torchtitan's FSDP2 on each stage) and zeropp's
-techniques without hpZ."""
 
 
 def pipeline_record(model: ModelShape, topology: Topology, workload: Workload, machine: Machine,
