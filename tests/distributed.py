@@ -22,9 +22,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 PRELOADED = ["torch", "torch.distributed", "torch.distributed.fsdp", "zeropp", "zeropp.techniques.qwz",
-             "zeropp.techniques.hpz", "zeropp.techniques.qgz", "zeropp.fsdp.unused", "zeropp.engine"]
+             "zeropp.techniques.hpz", "zeropp.techniques.qgz", "zeropp.fsdp.unused", "zeropp.engine",
+             "torchtitan.models.llama3", "torchtitan.models.qwen3", "torchtitan.config", "lightning.pytorch"]
 """Imported once by the fork server every rank is forked from: a spawned rank would import torch
-again (seconds of CPU each, four ranks a run, on two cores)."""
+again (seconds of CPU each, four ranks a run, on two cores), and torchtitan's models and
+lightning (4-5 s more each) in the tests that run them. A module that is not installed is
+skipped by the server."""
 
 
 def _context() -> Any:

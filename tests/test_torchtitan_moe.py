@@ -37,9 +37,10 @@ experts' shard group is again one rank per node)."""
 LOCAL_BATCH, SEQ_LEN, NUM_LAYERS, NUM_EXPERTS, TOP_K = 2, 16, 2, 8, 2
 
 
-def _trainer_config(config: zeropp.ZeroPPConfig | None, layout: str = "ep"):
-    """torchtitan's qwen3 MoE debug config with ``layout``'s parallelism, loaded as its command
-    line loads it; its parallelize function wrapped by zeropp's (``config``) or not (None)."""
+def _trainer_config(config: zeropp.ZeroPPConfig | None, layout: str = "ep", extra: tuple[str, ...] = ()):
+    """torchtitan's qwen3 MoE debug config with ``layout``'s parallelism and the ``extra`` flags,
+    loaded as its command line loads it; its parallelize function wrapped by zeropp's (``config``)
+    or not (None)."""
     from torchtitan.config import ConfigManager
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
@@ -47,7 +48,7 @@ def _trainer_config(config: zeropp.ZeroPPConfig | None, layout: str = "ep"):
     from zeropp.torchtitan import SPMD_BACKEND, ZeroPPParallelize
 
     trainer_config = ConfigManager().parse_args(["--module", "qwen3", "--config", "qwen3_moe_debug", *CPU_OVERRIDES,
-                                                 "--parallelism.spmd_backend", SPMD_BACKEND, *LAYOUTS[layout]])
+                                                 "--parallelism.spmd_backend", SPMD_BACKEND, *LAYOUTS[layout], *extra])
     model = trainer_config.model_spec.model
     # the debug model's 8 blocks of 64 experts hold 300M parameters: 2 blocks of 8 experts, top 2, hold 13.6M
     model.layers = [dataclasses.replace(layer, moe=with_experts(layer.moe, NUM_EXPERTS, TOP_K))

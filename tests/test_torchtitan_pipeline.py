@@ -85,21 +85,23 @@ def _build(trainer_config, world_size: int, loss: _Loss):
     return schedule, parts, first, last
 
 
-def _run(schedule_name: str, config: zeropp.ZeroPPConfig | None, world_size: int, contributions: bool = False
-         ) -> dict:
-    """One training step through the schedule, then the same step again (no optimizer step between:
-    the same weights): the global loss of each, this rank's gradient shards, the second step's
-    ledger (a schedule's first step also runs the stages once to infer their shapes, which gathers
-    and, on the last stage, reduces once more), the explained plan; with ``contributions`` first
-    each data-parallel rank's step alone (the other's loss weighed 0.0), one step each."""
-    trainer_config = _trainer_config(schedule_name, config)
+def _run(trainer_config, world_size: int, contributions: bool = False) -> dict:
+    """One training step of torchtitan's ``trainer_config`` (pipeline 2, outermost) through its
+    schedule, then the same step again (no optimizer step between: the same weights): the global
+    loss of each, this rank's gradient shards, the second step's ledger (a schedule's first step
+    also runs the stages once to infer their shapes, which gathers and, on the last stage, reduces
+    once more), the explained plan; with ``contributions`` first each data-parallel rank's step
+    alone (the others' loss weighed 0.0), one step each."""
+    from zeropp.torchtitan import ZeroPPParallelize
+
+    zeropp_run = isinstance(trainer_config.model_spec.parallelize_fn, ZeroPPParallelize)
     num_batches = world_size // 2
     loss = _Loss(num_batches * LOCAL_BATCH * SEQ_LEN)
     schedule, parts, first, last = _build(trainer_config, world_size, loss)
-    if config is None:
+    if not zeropp_run:
         for part in parts:
             _force_sum(part)
-    batch = next(p for p in parts[0].parameters()).device_mesh.get_local_rank("fsdp")
+    batch = torch.distributed.get_rank() % num_batches  # the data-parallel rank inside the stage
     tokens = torch.randint(0, trainer_config.model_spec.model.vocab_size, (num_batches, LOCAL_BATCH, SEQ_LEN + 1),
                            generator=torch.Generator().manual_seed(0))[batch]
 
@@ -124,7 +126,7 @@ def _run(schedule_name: str, config: zeropp.ZeroPPConfig | None, world_size: int
         for part in parts:
             part.zero_grad(set_to_none=True)
     loss.weight = 1.0
-    explained = [zeropp.explain(part) for part in parts] if config is not None else None
+    explained = [zeropp.explain(part) for part in parts] if zeropp_run else None
     zeropp.comm_ledger().reset()
     total = step()
     warm = zeropp.comm_ledger().summary()["by_technique"]
@@ -143,10 +145,10 @@ def _run(schedule_name: str, config: zeropp.ZeroPPConfig | None, world_size: int
 def _worker(rank: int, world_size: int) -> dict:
     results = {}
     for schedule in SCHEDULES:
-        reference = _run(schedule, None, world_size)
-        zero3 = _run(schedule, zeropp.ZeroPPConfig(), world_size)
-        weights = _run(schedule, QWZ, world_size, contributions=True)
-        both = _run(schedule, QWZ_QGZ, world_size)
+        reference = _run(_trainer_config(schedule, None), world_size)
+        zero3 = _run(_trainer_config(schedule, zeropp.ZeroPPConfig()), world_size)
+        weights = _run(_trainer_config(schedule, QWZ), world_size, contributions=True)
+        both = _run(_trainer_config(schedule, QWZ_QGZ), world_size)
         excess = {}
         for name, exact in weights["grads"].items():
             # one hop across the two nodes: each rank's contribution coded once, INT4, as a row
@@ -168,7 +170,7 @@ def _worker(rank: int, world_size: int) -> dict:
         for refused, config in (("hpz", zeropp.ZeroPPConfig(hpz_partition_size=2)),
                                 ("audit", zeropp.ZeroPPConfig(audit_every=10))):
             try:
-                _run("1F1B", config, world_size)
+                _run(_trainer_config("1F1B", config), world_size)
                 results[refused] = "accepted"
             except ValueError as error:
                 results[refused] = str(error)
