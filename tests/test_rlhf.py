@@ -25,10 +25,10 @@ def test_reward_and_completion_log_prob() -> None:
 
 @pytest.mark.slow
 def test_reward_rises_under_zero3_and_zeropp(tmp_path) -> None:
-    """20 REINFORCE iterations on 2x2 local ranks: the mean reward of the last 4 iterations is
-    at least 4x that of the first 4 (it starts near 1/vocab) under ZeRO-3 and all three
-    techniques (generation inside generation_mode), and the two curves stay within 0.1."""
-    results = rlhf.run(tmp_path, modes=("zero3", "all"), runs_dir=tmp_path / "runs", iterations=20)
+    """12 REINFORCE iterations on 2x2 local ranks: the mean reward of the last fifth (2 iterations)
+    is at least 4x that of the first (it starts near 1/vocab; 8x measured) under ZeRO-3 and all
+    three techniques (generation inside generation_mode), and the two curves stay within 0.1."""
+    results = rlhf.run(tmp_path, modes=("zero3", "all"), runs_dir=tmp_path / "runs", iterations=12)
     assert json.loads((tmp_path / "rlhf.json").read_text())["modes"].keys() == {"zero3", "all"}
     for entry in results["modes"].values():
         assert entry["last_reward"] >= 4 * entry["first_reward"], entry
