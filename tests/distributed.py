@@ -23,11 +23,13 @@ import torch.multiprocessing as mp
 
 PRELOADED = ["torch", "torch.distributed", "torch.distributed.fsdp", "zeropp", "zeropp.techniques.qwz",
              "zeropp.techniques.hpz", "zeropp.techniques.qgz", "zeropp.fsdp.unused", "zeropp.engine",
-             "torchtitan.models.llama3", "torchtitan.models.qwen3", "torchtitan.config", "lightning.pytorch"]
+             "torchtitan.models.llama3", "torchtitan.models.qwen3", "torchtitan.config", "lightning.pytorch",
+             "transformers.trainer", "transformers.models.llama.modeling_llama", "peft", "zeropp.hf"]
 """Imported once by the fork server every rank is forked from: a spawned rank would import torch
-again (seconds of CPU each, four ranks a run, on two cores), and torchtitan's models and
-lightning (4-5 s more each) in the tests that run them. A module that is not installed is
-skipped by the server."""
+again (seconds of CPU each, four ranks a run, on two cores), and transformers' Trainer, peft,
+torchtitan's models and lightning (5 s more, 3 and 4 s) in the tests that run them. A module that
+is not installed is skipped by the server. Every module here reads the environment when called,
+not when imported: the server imports them with the parent's environment, a rank runs with its own."""
 
 
 def _context() -> Any:
