@@ -28,8 +28,9 @@ PRELOADED = ["torch", "torch.distributed", "torch.distributed.fsdp", "zeropp", "
 """Imported once by the fork server every rank is forked from: a spawned rank would import torch
 again (seconds of CPU each, four ranks a run, on two cores), and transformers' Trainer, peft,
 torchtitan's models and lightning (5 s more, 3 and 4 s) in the tests that run them. A module that
-is not installed is skipped by the server. Every module here reads the environment when called,
-not when imported: the server imports them with the parent's environment, a rank runs with its own."""
+is not installed is skipped by the server. The server imports them with the parent's environment;
+a rank sets its own before it runs, and what the tests vary per rank (``ZEROPP_*``, torchrun's
+variables) is read when called, not at import."""
 
 
 def _context() -> Any:
