@@ -167,15 +167,13 @@ def test_expert_parallel_plan_and_ledger(moe: list[dict]) -> None:
         assert "hpz_partition_size=2" in rank["hpz"] and "no partition" in rank["hpz"], rank["hpz"]
 
 
-def test_with_zeropp_takes_expert_and_pipeline_parallel_and_names_what_it_refuses() -> None:
+def test_with_zeropp_takes_every_parallelism_and_names_the_backend_it_needs() -> None:
     from torchtitan.config import ConfigManager
 
     import zeropp.integrations.torchtitan as titan
 
     config = ConfigManager().parse_args(["--module", "qwen3", "--config", "qwen3_moe_debug", *EXPERT_PARALLEL])
-    titan._check_parallelism(dataclasses.replace(config.parallelism, spmd_backend=titan.SPMD_BACKEND))
-    with pytest.raises(ValueError, match="parallelism.context_parallel_degree=2"):
-        titan._check_parallelism(dataclasses.replace(config.parallelism, spmd_backend=titan.SPMD_BACKEND,
-                                                     context_parallel_degree=2))
-    titan._check_parallelism(dataclasses.replace(config.parallelism, spmd_backend=titan.SPMD_BACKEND,
-                                                 pipeline_parallel_degree=2))
+    for degrees in ({}, {"context_parallel_degree": 2}, {"pipeline_parallel_degree": 2}):
+        titan._check_parallelism(dataclasses.replace(config.parallelism, spmd_backend=titan.SPMD_BACKEND, **degrees))
+    with pytest.raises(ValueError, match="parallelism.spmd_backend='partial_dtensor'.*got 'full_dtensor'"):
+        titan._check_parallelism(dataclasses.replace(config.parallelism, spmd_backend="full_dtensor"))

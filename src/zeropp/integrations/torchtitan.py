@@ -36,13 +36,15 @@ The layouts, as torchtitan builds them under ``SPMD_BACKEND`` (world mesh unflat
   ledger as ``ep_tokens`` ([Note: expert parallelism's token exchanges]).
 - pipeline parallel (``pipeline_parallel_degree``): each stage's model part is parallelized as
   above and gets qwZ and qgZ over its data-parallel group ([Note: pipeline parallel in torchtitan]).
+- context parallel (``context_parallel_degree``): torchtitan folds it into the FSDP mesh, so each
+  unit is sharded over its ``dp_shard x cp`` ranks and zeropp's comms run over them as over any
+  FSDP group; the keys and values go round the ``cp`` group by torch's ring attention, untouched.
 
 hpZ has nothing to keep where tensor parallel fills the node (one data-parallel rank per node)
 or under HSDP (the shard group is a node): there ``zeropp.enable`` refuses
 ``hpz_partition_size > 1`` by name (``llama3_debugmodel`` turns it on for several nodes, so take
 another config function there), and for the experts where a node holds one rank of their group.
-hpZ is refused on a pipeline stage ([Note: hpZ under pipeline parallelism]). Context parallelism
-is refused, with its reason.
+hpZ is refused on a pipeline stage ([Note: hpZ under pipeline parallelism]).
 """
 
 from __future__ import annotations
@@ -163,27 +165,13 @@ def _counted(exchange: Callable[..., Any], dispatcher: Any, topology: Topology, 
     return counted
 
 
-_REFUSED_PARALLELISMS = {
-    "context_parallel_degree": "context parallel folds into the FSDP mesh (dp_shard_cp); its SDPA path dispatches "
-                               "only CUDA's kernels (flash, efficient, cuDNN) and FlexAttention, its other path, "
-                               "has no backward on CPU, so it has not trained on gloo CPU ranks and no zeropp test "
-                               "has verified it",
-}
-"""Parallelisms zeropp's comms are not verified with, and why (expert parallel, which gives
-routed experts their own FSDP mesh, is: each mesh's parameter group gets its comms; pipeline
-parallel is: [Note: pipeline parallel in torchtitan])."""
-
-
 def _check_parallelism(parallelism: Any) -> None:
-    """torchtitan's layout must be FSDP2, over every rank or with tensor parallelism and HSDP
-    replicas, on ``SPMD_BACKEND``'s meshes."""
+    """torchtitan's layout must put FSDP2 units on ``SPMD_BACKEND``'s data-parallel meshes (every
+    parallelism of torchtitan 0.3 runs there: FSDP, HSDP, tensor, expert, pipeline and context
+    parallel; context parallel folds into the FSDP mesh, so its units are sharded over
+    ``dp_shard x cp`` and zeropp's comms run over that group)."""
     if parallelism is None:
         raise ValueError("ZeroPPParallelize needs torchtitan's parallelism config (keyword 'parallelism')")
-    wrong = [f"parallelism.{name}={getattr(parallelism, name)} ({why})" for name, why in _REFUSED_PARALLELISMS.items()
-             if getattr(parallelism, name) != 1]
-    if wrong:
-        raise ValueError(f"zeropp runs on FSDP2, tensor parallel, HSDP, expert and pipeline parallel layouts; got "
-                         f"{'; '.join(wrong)}: set the degree to 1")
     if parallelism.spmd_backend != SPMD_BACKEND:
         raise ValueError(f"zeropp needs parallelism.spmd_backend={SPMD_BACKEND!r} (FSDP2 units on the data-parallel "
                          f"mesh alone), got {parallelism.spmd_backend!r}; with_zeropp sets it")
