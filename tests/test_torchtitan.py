@@ -263,25 +263,24 @@ def _stand_in_parallelize(model: torch.nn.Module, **kwargs) -> torch.nn.Module:
     raise _Parallelized
 
 
-def test_parallelisms_zeropp_cannot_shard_over_are_refused() -> None:
-    """Context parallelism, or a mesh other than ``partial_dtensor``'s: a ValueError naming what
-    to change, before anything is sharded. Tensor parallelism, HSDP replicas, expert and pipeline
+def test_meshes_zeropp_cannot_shard_over_are_refused() -> None:
+    """A mesh other than ``partial_dtensor``'s: a ValueError naming what to change, before
+    anything is sharded. Tensor parallelism, HSDP replicas, expert, pipeline and context
     parallelism go on to torchtitan's parallelize function (``test_torchtitan_meshes``,
-    ``test_torchtitan_moe`` and ``test_torchtitan_pipeline`` run them)."""
+    ``test_torchtitan_moe``, ``test_torchtitan_pipeline`` and ``test_torchtitan_cp`` run them)."""
     from torchtitan.config import ParallelismConfig
     from torchtitan.trainer import Trainer
 
     from zeropp.torchtitan import ZeroPPParallelize, with_zeropp
 
     parallelize = ZeroPPParallelize(_stand_in_parallelize, zeropp.ZeroPPConfig())
-    for settings, named in [({"context_parallel_degree": 2}, "context_parallel_degree=2"),
-                            ({"spmd_backend": "spmd_types"}, "spmd_backend='partial_dtensor'.*'spmd_types'"),
+    for settings, named in [({"spmd_backend": "spmd_types"}, "spmd_backend='partial_dtensor'.*'spmd_types'"),
                             ({"spmd_backend": "full_dtensor", "tensor_parallel_degree": 2}, "'full_dtensor'")]:
         with pytest.raises(ValueError, match=named):
             parallelize(torch.nn.Linear(2, 2), parallelism=ParallelismConfig(**settings))
     for settings in [{"tensor_parallel_degree": 2}, {"data_parallel_replicate_degree": 2},
                      {"tensor_parallel_degree": 2, "data_parallel_replicate_degree": 2}, {"expert_parallel_degree": 2},
-                     {"pipeline_parallel_degree": 2}]:
+                     {"pipeline_parallel_degree": 2}, {"context_parallel_degree": 2}]:
         with pytest.raises(_Parallelized):
             parallelize(torch.nn.Linear(2, 2),
                         parallelism=ParallelismConfig(**settings, spmd_backend="partial_dtensor"))

@@ -165,15 +165,3 @@ def test_expert_parallel_plan_and_ledger(moe: list[dict]) -> None:
         experts = "ranks 0,2" if index % 2 == 0 else "ranks 1,3"  # efsdp: one rank of each node
         assert f"{experts} on 2 nodes" in rank["table"], rank["table"]
         assert "hpz_partition_size=2" in rank["hpz"] and "no partition" in rank["hpz"], rank["hpz"]
-
-
-def test_with_zeropp_takes_every_parallelism_and_names_the_backend_it_needs() -> None:
-    from torchtitan.config import ConfigManager
-
-    import zeropp.integrations.torchtitan as titan
-
-    config = ConfigManager().parse_args(["--module", "qwen3", "--config", "qwen3_moe_debug", *EXPERT_PARALLEL])
-    for degrees in ({}, {"context_parallel_degree": 2}, {"pipeline_parallel_degree": 2}):
-        titan._check_parallelism(dataclasses.replace(config.parallelism, spmd_backend=titan.SPMD_BACKEND, **degrees))
-    with pytest.raises(ValueError, match="parallelism.spmd_backend='partial_dtensor'.*got 'full_dtensor'"):
-        titan._check_parallelism(dataclasses.replace(config.parallelism, spmd_backend="full_dtensor"))
