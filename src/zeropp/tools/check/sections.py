@@ -45,7 +45,7 @@ SECTIONS: dict[str, Section] = {section.name: section for section in (
                     "bf16): step time, peak memory against zeropp plan, zeropp's share of the step"),
     Section(name="gpu_only", module="zeropp.tools.check.gpu_only", share=0.15, min_s=20.0,
             summary="what needs a GPU to mean anything: torch.compile of the blocks with qwZ, bf16 and fp16 "
-                    "training end to end, CPU offload"),
+                    "training end to end, CPU offload, torchao's float8 training"),
     Section(name="nccl", module="zeropp.tools.check.nccl", share=0.08, min_s=20.0, min_gpus=2,
             summary="qwZ, hpZ and qgZ on NCCL, one GPU per rank"),
 )}
