@@ -21,7 +21,7 @@ from zeropp.tools.check.ranks import run_ranks
 from zeropp.tools.check.runner import WRITE_MARGIN_S, Runner
 from zeropp.tools.check.sections import SECTIONS
 
-SMOKE_BUDGET_S = 60.0
+SMOKE_BUDGET_S = 90.0
 STATUSES = {"ran", "skipped", "timed_out", "crashed"}
 PART_STATUSES = {"passed", "failed", "skipped", "timed_out", "crashed"}
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from zeropp.tools.check.sections import SECTIONS
 
 GPU_BUDGET_S = 480.0
-SMOKE_BUDGET_S = 60.0
+SMOKE_BUDGET_S = 90.0
 RESULTS = Path("benchmarks/results/gpu")
 
 
