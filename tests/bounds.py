@@ -15,3 +15,21 @@ def half_steps(contribution: torch.Tensor, qmax: int = QMAX_INT4, block_size: in
     flat = contribution.reshape(-1).float()
     blocks = torch.nn.functional.pad(flat, (0, -flat.numel() % block_size)).view(-1, block_size)
     return (blocks.abs().amax(1) / qmax / 2).repeat_interleave(block_size)[:flat.numel()].view_as(contribution)
+
+
+def excess(quantized: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor, magnitude: torch.Tensor) -> float:
+    """The most any element of ``quantized`` lies beyond ``bound`` of ``exact`` (<= 0: within), the
+    bound widened by fp32's rounding of the sums: 1e-6 of itself and of ``magnitude`` (the size of
+    what was summed)."""
+    slack = bound * (1 + 1e-6) + 1e-6 * magnitude + 1e-30
+    return ((quantized - exact).abs() - slack).max().item()
+
+
+def contributions_excess(quantized: dict[str, torch.Tensor], exact: dict[str, torch.Tensor],
+                         contributions: list[dict[str, torch.Tensor]], hops: int) -> dict[str, float]:
+    """``excess`` of every parameter, its bound ``hops`` times the sum of each rank's contribution's
+    INT4 half steps (each contribution coded once a hop: a row, then inside its node's partial,
+    whose step is at most the sum of its rows' steps)."""
+    return {name: excess(quantized[name], value, hops * sum(half_steps(part[name]) for part in contributions),
+                         sum(part[name].abs() for part in contributions))
+            for name, value in exact.items()}

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import zeropp
+from bounds import excess as bound_excess
 from bounds import half_steps
 from distributed import run_distributed
 
@@ -97,8 +98,8 @@ def _worker(rank: int, world_size: int) -> dict:
         # each rank's contribution coded at most twice: as a row (INT8 inside the node) and in its
         # node's partial (INT4 across): within twice the sum of their INT4 half steps
         parts = [part[i] for part in reference["contributions"]]
-        bound = 2 * sum(half_steps(part) for part in parts) * (1 + 1e-6) + 1e-6 * sum(p.abs() for p in parts) + 1e-30
-        excess.append(((qgz["grads"][i] - exact).abs() - bound).max().item())
+        excess.append(bound_excess(qgz["grads"][i], exact, 2 * sum(half_steps(part) for part in parts),
+                                   sum(p.abs() for p in parts)))
     return {
         "zero3_equal": zero3["losses"] == reference["losses"] and _equal(zero3, reference),
         "all_is_qgz": every["losses"] == qgz["losses"] and _equal(every, qgz),

@@ -24,6 +24,7 @@ import torch
 import torch.distributed.fsdp
 
 import zeropp
+from bounds import excess as bound_excess
 from bounds import half_steps
 from distributed import run_distributed
 
@@ -136,9 +137,8 @@ def _worker(rank: int, world_size: int) -> dict:
         # the sum over the ranks of each one's half steps on this rank's shard of the parameter
         steps = torch.cat([half_steps(chunk) for chunk in weights["local"][name].chunk(world_size)])
         torch.distributed.all_reduce(steps)
-        bound = 2 * steps.chunk(world_size)[rank].view_as(exact)
-        bound = bound * (1 + 1e-6) + 1e-6 * exact.abs() + 1e-30
-        excess[name] = ((both["grads"][name] - exact).abs() - bound).max().item()
+        excess[name] = bound_excess(both["grads"][name], exact, 2 * steps.chunk(world_size)[rank].view_as(exact),
+                                    exact.abs())
     return {"losses": {"unsplit": unsplit["loss"], "reference": reference["loss"],
                        **{name: run["loss"] for name, run in runs.items()}},
             "unsplit_error": max(((reference["grads"][n] - g).abs() / (g.abs().max() + 1e-30)).max().item()

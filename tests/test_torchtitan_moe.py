@@ -20,7 +20,7 @@ import torch
 import torch.distributed.fsdp
 
 import zeropp
-from bounds import half_steps
+from bounds import contributions_excess
 from distributed import run_distributed
 
 if sys.version_info < (3, 11) or not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"):
@@ -108,13 +108,9 @@ def _worker(rank: int, world_size: int, layout: str) -> dict:
     zero3 = _run(zeropp.ZeroPPConfig(), world_size, layout=layout)
     weights = _run(zeropp.ZeroPPConfig(quantized_weights=True), world_size, contributions=True, layout=layout)
     both = _run(zeropp.ZeroPPConfig(quantized_weights=True, quantized_gradients=True), world_size, layout=layout)
-    excess = {}
-    for name, exact in weights["grads"].items():
-        # each rank's contribution is coded at most twice: as a row (hop 1, INT8 or INT4) and inside
-        # its node's partial (hop 2, INT4: the partial's step at most the sum of its rows' steps)
-        bound = 2 * sum(half_steps(part[name]) for part in weights["contributions"])
-        bound = bound * (1 + 1e-6) + 1e-6 * sum(part[name].abs() for part in weights["contributions"]) + 1e-30
-        excess[name] = ((both["grads"][name] - exact).abs() - bound).max().item()
+    # each rank's contribution is coded at most twice: as a row (hop 1, INT8 or INT4) and inside its
+    # node's partial (hop 2, INT4)
+    excess = contributions_excess(both["grads"], weights["grads"], weights["contributions"], hops=2)
     try:
         _run(zeropp.ZeroPPConfig(hpz_partition_size=2), world_size, layout=layout)
         hpz = "accepted"

@@ -21,7 +21,7 @@ import torch
 import torch.distributed.fsdp
 
 import zeropp
-from bounds import half_steps
+from bounds import contributions_excess
 from distributed import run_distributed
 
 if sys.version_info < (3, 11) or not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"):
@@ -41,13 +41,9 @@ def _worker(rank: int, world_size: int) -> dict:
     for name, config in (("reference", None), ("zero3", zeropp.ZeroPPConfig()), ("qwz", QWZ), ("both", QWZ_QGZ)):
         runs[name] = _run(_trainer_config(config, "ep", PIPELINE), world_size, contributions=name == "qwz")
     weights, both = runs["qwz"], runs["both"]
-    excess = {}
-    for name, exact in weights["grads"].items():
-        # each rank's contribution is coded at most twice: as a row (hop 1) and inside its node's
-        # partial (hop 2, INT4; the experts' group, one rank a node, has one hop only)
-        bound = 2 * sum(half_steps(part[name]) for part in weights["contributions"])
-        bound = bound * (1 + 1e-6) + 1e-6 * sum(part[name].abs() for part in weights["contributions"]) + 1e-30
-        excess[name] = ((both["grads"][name] - exact).abs() - bound).max().item()
+    # each rank's contribution is coded at most twice: as a row (hop 1) and inside its node's
+    # partial (hop 2, INT4; the experts' group, one rank a node, has one hop only)
+    excess = contributions_excess(both["grads"], weights["grads"], weights["contributions"], hops=2)
     return {"losses": {name: run["loss"] for name, run in runs.items()},
             "zero3_equal": runs["zero3"]["grads"].keys() == runs["reference"]["grads"].keys() and all(
                 torch.equal(runs["zero3"]["grads"][n], g) for n, g in runs["reference"]["grads"].items()),

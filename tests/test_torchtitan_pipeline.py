@@ -26,7 +26,7 @@ import torch
 import torch.distributed.fsdp
 
 import zeropp
-from bounds import half_steps
+from bounds import contributions_excess
 from distributed import run_distributed
 
 if sys.version_info < (3, 11) or not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"):
@@ -149,12 +149,8 @@ def _worker(rank: int, world_size: int) -> dict:
         zero3 = _run(_trainer_config(schedule, zeropp.ZeroPPConfig()), world_size)
         weights = _run(_trainer_config(schedule, QWZ), world_size, contributions=True)
         both = _run(_trainer_config(schedule, QWZ_QGZ), world_size)
-        excess = {}
-        for name, exact in weights["grads"].items():
-            # one hop across the two nodes: each rank's contribution coded once, INT4, as a row
-            bound = sum(half_steps(part[name]) for part in weights["contributions"])
-            bound = bound * (1 + 1e-6) + 1e-6 * sum(part[name].abs() for part in weights["contributions"]) + 1e-30
-            excess[name] = ((both["grads"][name] - exact).abs() - bound).max().item()
+        # one hop across the two nodes: each rank's contribution coded once, INT4, as a row
+        excess = contributions_excess(both["grads"], weights["grads"], weights["contributions"], hops=1)
         results[schedule] = {
             "losses": {"reference": reference["loss"], "zero3": zero3["loss"], "qwz": weights["loss"],
                        "both": both["loss"]},
