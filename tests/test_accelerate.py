@@ -66,14 +66,22 @@ def _train(accelerator, model, optimizer, loader, scheduler, steps: int) -> list
     return losses
 
 
-def _job(rank: int, world_size: int, out: str) -> dict:
+def _accelerator(attached: bool):
+    """accelerate's ``Accelerator`` as its docs make it, or attached by the user
+    ([Note: attached on prepare]: ``prepare`` attaches the plain one)."""
     from accelerate import Accelerator
-    from transformers import LlamaForCausalLM
 
     import zeropp.accelerate
 
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION)
+    return zeropp.accelerate.attach(accelerator) if attached else accelerator
+
+
+def _job(rank: int, world_size: int, out: str, attached: bool) -> dict:
+    from transformers import LlamaForCausalLM
+
     result = {}
-    accelerator = zeropp.accelerate.attach(Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION))
+    accelerator = _accelerator(attached)
     model, optimizer, loader, scheduler = _prepared(accelerator)
     result["prepared_as_is"] = isinstance(model, torch.distributed.fsdp.FSDPModule)
     first = _train(accelerator, model, optimizer, loader, scheduler, SAVED_AT)
@@ -104,7 +112,7 @@ def _job(rank: int, world_size: int, out: str) -> dict:
     else:
         result["empty_elsewhere"] = keys == []
     # a new job: the same model, optimizer, schedule and data position from the saved state
-    accelerator = zeropp.accelerate.attach(Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION))
+    accelerator = _accelerator(attached)
     model, optimizer, loader, scheduler = _prepared(accelerator)
     accelerator.load_state(f"{out}/state")
     result["resumed"] = first + _train(accelerator, model, optimizer,
@@ -115,8 +123,11 @@ def _job(rank: int, world_size: int, out: str) -> dict:
 
 
 @pytest.mark.slow
-def test_an_accelerate_loop_trains_saves_resumes_and_exports(tmp_path) -> None:
-    results = run_distributed(_job, 4, str(tmp_path), env=TWO_BY_TWO, timeout=300)
+@pytest.mark.parametrize("attached", [True, False], ids=["attached", "as_accelerate_documents_it"])
+def test_an_accelerate_loop_trains_saves_resumes_and_exports(tmp_path, attached: bool) -> None:
+    """The same loop with ``zeropp.accelerate.attach`` and with accelerate's plain ``Accelerator()``,
+    which its ``prepare`` attaches: every call works either way."""
+    results = run_distributed(_job, 4, str(tmp_path), attached, env=TWO_BY_TWO, timeout=300)
     main = results[0]
     assert main["prepared_as_is"] and main["unwrapped_is_model"]
     assert len(main["uninterrupted"]) == STEPS and main["uninterrupted"][-1] < main["uninterrupted"][0]
@@ -127,6 +138,51 @@ def test_an_accelerate_loop_trains_saves_resumes_and_exports(tmp_path) -> None:
     assert all(result["empty_elsewhere"] for result in results[1:])
     assert "zeropp" in main["files"] and "scheduler.bin" in main["files"]
     assert not any(name.startswith(("model", "optimizer")) for name in main["files"])
+
+
+def _unprepared_job(rank: int, world_size: int, out: str) -> dict:
+    """An accelerator that never prepared the zeropp model: each call that would need ``attach``
+    raises on every rank, naming it, before any collective; attached afterwards, they work."""
+    from accelerate import Accelerator
+
+    import zeropp
+    import zeropp.accelerate
+
+    model = zeropp.shard(_model(), zeropp.ZeroPPConfig(quantized_weights=True, hpz_partition_size=2,
+                                                       quantized_gradients=True))
+    accelerator = Accelerator(cpu=True)
+    errors = {}
+    for call in (lambda: accelerator.get_state_dict(model), lambda: accelerator.get_state_dict(model, unwrap=False)):
+        try:
+            call()
+            errors.setdefault("get_state_dict", []).append("no error")
+        except ValueError as error:
+            errors.setdefault("get_state_dict", []).append(str(error))
+    accelerator._models.append(model)  # as prepare_model of an accelerate that reads the mark elsewhere
+    if rank == 0:  # accelerate's own layout of a saved state: the whole model in one file
+        __import__("pathlib").Path(f"{out}/plain").mkdir()
+        torch.save(_model().state_dict(), f"{out}/plain/pytorch_model.bin")
+    torch.distributed.barrier()
+    for name, call in (("save_state", lambda: accelerator.save_state(f"{out}/state")),
+                       ("load_state", lambda: accelerator.load_state(f"{out}/plain"))):
+        try:
+            call()
+            errors[name] = "no error"
+        except ValueError as error:
+            errors[name] = str(error)
+    zeropp.accelerate.attach(accelerator)
+    full = accelerator.get_state_dict(model)
+    accelerator.save_state(f"{out}/state")
+    accelerator.load_state(f"{out}/state")
+    return {**errors, "attached_keys": len(full) if accelerator.is_main_process else None}
+
+
+def test_an_accelerator_that_never_prepared_the_model_names_attach_on_every_rank(tmp_path) -> None:
+    results = run_distributed(_unprepared_job, 4, str(tmp_path), env=TWO_BY_TWO, timeout=120)
+    for result in results:
+        for message in [*result["get_state_dict"], result["save_state"], result["load_state"]]:
+            assert "zeropp.accelerate.attach(accelerator)" in message, message
+    assert results[0]["attached_keys"] == len(_model().state_dict())
 
 
 def _fsdp2_plugin_job(rank: int, world_size: int, out: str) -> dict:

@@ -34,11 +34,23 @@ sharded state dict, on which ``save_pretrained`` runs a collective on rank 0 alo
 With accelerate's FSDP plugin accelerate's own FSDP2 save and load reach the DTensors, and
 ``attach`` leaves them. Its DeepSpeed plugin runs DeepSpeed's own engine, which would take the
 model from zeropp: ``attach`` refuses it and names the route.
+
+[Note: attached on prepare]
+A user who follows accelerate's own docs never calls ``attach``. So the "already prepared" mark
+zeropp puts on its models (``mark_prepared``) is an object, not ``True``: accelerate's
+``prepare_model`` asks it for its truth value, and at that moment the caller's frame holds the
+accelerator, which the mark attaches. ``prepare`` then overwrites the mark with ``True``; the
+accelerator is attached by then. For the accelerators that never prepared the model (a model
+passed straight to ``get_state_dict``, or an accelerate whose ``prepare_model`` reads the mark
+elsewhere), the model's state-dict hooks see accelerate's ``save_state``, ``load_state`` and
+``get_state_dict`` among their callers and raise on every rank (each rank calls them), naming
+``attach``: the alternative is a storage error on rank 0 or a collective on rank 0 alone, a hang.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -94,6 +106,47 @@ def attach(accelerator: Accelerator) -> Accelerator:
     accelerator.get_state_dict = get_state_dict_with_zeropp
     accelerator._zeropp_attached = True
     return accelerator
+
+
+def mark_prepared(model: nn.Module) -> None:
+    """Make accelerate's ``prepare`` hand ``model`` back as it is, attach the accelerator that
+    prepares it, and refuse by name accelerate's saves and loads from an accelerator that is not
+    attached ([Note: attached on prepare])."""
+    model._is_accelerate_prepared = _PreparedMark()
+    if not getattr(model, "_zeropp_accelerate_guard", False):
+        model.register_state_dict_pre_hook(_refuse_unattached)
+        model.register_load_state_dict_pre_hook(_refuse_unattached)
+        model._zeropp_accelerate_guard = True
+
+
+class _PreparedMark:
+    """accelerate's "already prepared" mark that attaches the accelerator reading it."""
+
+    def __bool__(self) -> bool:
+        accelerator = sys._getframe(1).f_locals.get("self")
+        if isinstance(accelerator, Accelerator):
+            attach(accelerator)
+        return True
+
+
+_ACCELERATE_CALLS = {"save_state", "load_state", "get_state_dict"}
+"""accelerate's calls that need ``attach`` to reach a zeropp model's shards."""
+
+
+def _refuse_unattached(*_: Any) -> None:
+    """A state-dict hook: raise if an accelerator that is not attached is what asks."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        accelerator = frame.f_locals.get("self")
+        if frame.f_code.co_name in _ACCELERATE_CALLS and isinstance(accelerator, Accelerator):
+            if getattr(accelerator, "_zeropp_attached", False) or accelerator.distributed_type == DistributedType.FSDP:
+                return
+            raise ValueError(
+                f"accelerator.{frame.f_code.co_name} on a zeropp-sharded model needs zeropp's checkpoint path: "
+                "call accelerator = zeropp.accelerate.attach(accelerator) (or pass the model through "
+                "accelerator.prepare, which attaches it); without it accelerate would save every rank's "
+                "shards from rank 0 alone")
+        frame = frame.f_back
 
 
 def is_zeropp_model(model: nn.Module) -> bool:

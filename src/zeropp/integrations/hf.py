@@ -27,7 +27,6 @@ from torch import nn
 
 from zeropp.config import ZeroPPConfig
 from zeropp.engine.lr_schedules import build_scheduler
-from zeropp.fsdp.access import mark_prepared_for_accelerate
 from zeropp.fsdp.offload import offload_optimizer
 from zeropp.integrations import hf_checkpoint
 from zeropp.integrations.hf_deepspeed import (
@@ -37,7 +36,7 @@ from zeropp.integrations.hf_deepspeed import (
     take_from_training_arguments,
 )
 from zeropp.setup.explain import Explanation, explain
-from zeropp.setup.sharding import UnitSpec, enable, shard
+from zeropp.setup.sharding import UnitSpec, enable, mark_for_accelerate, shard
 from zeropp.setup.topology import Topology
 from zeropp.techniques.audit import ReportCursor, audit_metrics
 
@@ -59,8 +58,7 @@ def prepare_model(model: nn.Module, config: ZeroPPConfig | None = None, *, topol
         enable(model, config, topology=topology)
     else:
         shard(sharding_root(model), config, topology=topology, units=units)
-    mark_prepared_for_accelerate(model)
-    return model
+    return mark_for_accelerate(model)
 
 
 def sharding_root(model: nn.Module) -> nn.Module:

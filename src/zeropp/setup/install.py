@@ -26,7 +26,6 @@ from zeropp.fsdp.access import (
     default_divide_factor,
     fsdp_units,
     gradients_read_only_after_backward,
-    mark_prepared_for_accelerate,
     replicate_group,
     set_comms,
     set_post_forward_mesh,
@@ -86,7 +85,6 @@ def install(model: FSDPModule, plan: Plan, groups: ProcessGroups) -> nn.Module:
         generate_in_generation_mode(model)
         installed.fresh_copy_hooks = True
     _SHARDED[model] = installed
-    mark_prepared_for_accelerate(model)  # [Note: accelerate on a zeropp model]: no DDP over DTensors
     return model
 
 

@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from zeropp.config import ZeroPPConfig
+from zeropp.fsdp.access import mark_prepared_for_accelerate
 from zeropp.fsdp.scalars import replicate_scalars, scalar_parameters
 from zeropp.setup.checks import check, config_view, parameters_view, require_process_group, units_view
 from zeropp.setup.install import ShardedComms, install, process_groups, sharded_comms
@@ -54,7 +55,7 @@ def shard(
         fully_shard(module, mesh=groups.mesh, reshard_after_forward=True, mp_policy=mp_policy,
                     offload_policy=offload_policy(config), ignored_params=set(scalars) or None)
     replicate_scalars(scalars, topology)
-    return install(model, plan_sharded(model, config, topology), groups)
+    return mark_for_accelerate(install(model, plan_sharded(model, config, topology), groups))
 
 
 def offload_policy(config: ZeroPPConfig) -> OffloadPolicy:
@@ -92,7 +93,20 @@ def enable(model: nn.Module, config: ZeroPPConfig | None = None, *, topology: To
     topology = topology if topology is not None else Topology.from_env()
     plan = check(plan_sharded(model, config, topology, pipeline_rank), config_view(config, topology),
                  units_view(model))
-    return install(model, plan, process_groups(plan, device_type_of(model)))
+    return mark_for_accelerate(install(model, plan, process_groups(plan, device_type_of(model))))
+
+
+def mark_for_accelerate(model: nn.Module) -> nn.Module:
+    """Mark ``model`` for accelerate's ``prepare`` ([Note: accelerate on a zeropp model]): it hands
+    the model back as it is (no DDP over DTensors), and where accelerate is installed the mark
+    also attaches the accelerator that prepares it ([Note: attached on prepare]). Returns it."""
+    try:
+        from zeropp.integrations.accelerate import mark_prepared
+    except ImportError:
+        mark_prepared_for_accelerate(model)
+    else:
+        mark_prepared(model)
+    return model
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
