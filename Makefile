@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.zeropp-installed
 
-.PHONY: demo test test-fast lint venv clean gpu-check
+.PHONY: demo test test-fast test-stress lint venv clean gpu-check
 
 venv: $(STAMP)
 
@@ -39,6 +39,11 @@ test: $(STAMP)
 # the edit-run loop: everything but the multi-minute training tests (marked slow)
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow"
+
+# the multi-rank tests three times in a row beside a CPU hog (one spinning process per core);
+# STRESS_ARGS="--all" includes the slow ones (docs/measurements.md, "The harness under load")
+test-stress: $(STAMP)
+	$(PY) tests/stress.py --rounds 3 --out runs/stress.json $(STRESS_ARGS)
 
 # zeropp proven on a GPU in one command, within 8 minutes: the machine's own python3 (torch with CUDA,
 # Triton, pytest; transformers for the rank section), no venv and no install; results in

@@ -8,6 +8,7 @@ hangs fails the test after ``timeout`` seconds instead of hanging it.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import queue
@@ -60,16 +61,54 @@ def _worker(rank: int, world_size: int, port: int, env: dict[str, str], fn: Call
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(world_size))
     torch.set_num_threads(1)
+    deadline = time.monotonic() + timeout
+    store = None
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0,
+                              timeout=datetime.timedelta(seconds=timeout))
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, store=store,
                                 timeout=datetime.timedelta(seconds=timeout))
         result = fn(rank, world_size, *args)
         results.put((rank, True, result))
     except BaseException:  # report everything, the parent decides
         results.put((rank, False, traceback.format_exc()))
     finally:
+        if store is not None:
+            _leave_together(store, rank, world_size, deadline)
         if dist.is_initialized():
             dist.destroy_process_group()
+        if store is not None:
+            _close_store_last(store, rank, world_size, deadline)
+
+
+def _leave_together(store: dist.TCPStore, rank: int, world_size: int, deadline: float) -> None:
+    """Wait until every rank has finished its function.
+
+    [Note: ranks leave together]
+    A rank that has finished its function must not exit while a peer still needs it. gloo's
+    ``new_group`` connects every pair of ranks through the store (each rank publishes its address,
+    then reads each peer's), with no barrier at its end: a rank can finish connecting while a peer is
+    still reading addresses. Had that rank exited then, the peer's read from the store, which rank 0
+    hosts, was reset ("Connection reset by peer"), or its half-made pair was closed ("Connection
+    closed by peer"). A loaded machine makes the gap wide (reproduced: 4 ranks ending right after
+    three ``new_group`` calls, the last rank at nice 19 beside a CPU hog, failed 10 runs in 20). So
+    every rank waits, through the store, until all have finished their function, before it destroys
+    its process group; and rank 0, which hosts the store, exits last, once every rank has said it no
+    longer needs the store. The waits end at the run's deadline: a rank that hangs is the parent's
+    to report and kill."""
+    with contextlib.suppress(Exception):
+        if store.add("harness/finished", 1) == world_size:
+            store.set("harness/all_finished", "1")
+        store.wait(["harness/all_finished"], datetime.timedelta(seconds=max(deadline - time.monotonic(), 1.0)))
+
+
+def _close_store_last(store: dist.TCPStore, rank: int, world_size: int, deadline: float) -> None:
+    """Rank 0 hosts the store: it returns once every rank has left it ([Note: ranks leave together])."""
+    with contextlib.suppress(Exception):
+        if store.add("harness/left", 1) == world_size or rank != 0:
+            return
+        while store.add("harness/left", 0) < world_size and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
