@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 BLOCK_SIZE, QMAX_INT4 = 256, 7
@@ -15,6 +17,14 @@ def half_steps(contribution: torch.Tensor, qmax: int = QMAX_INT4, block_size: in
     flat = contribution.reshape(-1).float()
     blocks = torch.nn.functional.pad(flat, (0, -flat.numel() % block_size)).view(-1, block_size)
     return (blocks.abs().amax(1) / qmax / 2).repeat_interleave(block_size)[:flat.numel()].view_as(contribution)
+
+
+def shard_half_steps(tensor: torch.Tensor, world_size: int, qmax: int) -> torch.Tensor:
+    """Half a quantization step of every element of a whole parameter coded shard by shard, as
+    zeropp's codes code each rank's slice: blocks of 256 from the start of each rank's FSDP2 shard
+    (dim-0 chunks of ceil(rows / world)), step = the block's absmax / ``qmax``."""
+    rows = math.ceil(tensor.shape[0] / world_size)
+    return torch.cat([half_steps(chunk, qmax) for chunk in tensor.split(rows)])
 
 
 def excess(quantized: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor, magnitude: torch.Tensor) -> float:

@@ -140,3 +140,25 @@ class TokenRows(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def forward_weights(model: nn.Module, *inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every parameter with a dimension as a forward of ``model`` on ``inputs`` sees it (in fp32),
+    captured by forward pre-hooks on the leaf modules and the root; FSDP2 has gathered them then."""
+    seen: dict[str, torch.Tensor] = {}
+    handles = []
+    for name, module in model.named_modules():
+        if list(module.children()) and module is not model:
+            continue
+
+        def capture(module: nn.Module, _: object, prefix: str = name) -> None:
+            for local, p in module.named_parameters(recurse=module is not model):
+                if p.dim() and not isinstance(p, torch.distributed.tensor.DTensor):
+                    seen.setdefault(f"{prefix}.{local}" if prefix else local, p.detach().float().clone())
+        handles.append(module.register_forward_pre_hook(capture))
+    try:
+        model(*inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
