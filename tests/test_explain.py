@@ -32,6 +32,11 @@ def _one_step(rank: int, world_size: int, layout: str, options: dict) -> dict:
         model, dp_rank = _sharded(layout, 2, options)
         step = lambda: _loss(model, dp_rank)  # noqa: E731
     explanation = zeropp.explain(model)
+    if options.get("weight_deltas"):  # the steps after the first: a full refresh, then an optimizer step
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        step().backward()
+        optimizer.step()
+        optimizer.zero_grad()
     ledger = zeropp.comm_ledger()
     ledger.reset()
     step().backward()
@@ -48,6 +53,7 @@ CASES = {
     "1-D, two-hop gather, overlap, error feedback": ("1d", {**ALL, "hierarchical_gather": True, "overlap": True,
                                                              "error_feedback": True, "grad_bits_intra": 8}),
     "1-D, ZeRO-3": ("1d", {}),
+    "1-D, all three with weight differences": ("1d", {**ALL, "weight_deltas": True}),
     "tensor parallel 2 x FSDP, qwZ and qgZ": ("tp", {"quantized_weights": True, "quantized_gradients": True}),
     "HSDP, quantized replicas and qgZ": ("hsdp", {"quantized_gradients": True, "quantized_replica_gradients": True}),
 }

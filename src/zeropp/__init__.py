@@ -26,6 +26,7 @@ _PUBLIC = {
     "initialize": "zeropp.engine",
     "offload_optimizer": "zeropp.fsdp.offload",
     "optimizer_in_backward": "zeropp.fsdp.stepping",
+    "refresh_weights": "zeropp.techniques.deltas",
     "save_full_weights": "zeropp.checkpoint.full",
     "shard": "zeropp.setup.sharding",
     "sharded_comms": "zeropp.setup.sharding",

@@ -145,8 +145,11 @@ def _check_type_name(key: str, value: Any, names: Mapping[str, Any], any_case: b
 _ZEROPP_CHECKS: dict[str, Checker] = {
     **dict.fromkeys(("quantized_weights", "quantized_nontrainable_weights", "quantized_gradients",
                      "quantize_intra_node_weights", "error_feedback", "low_bit_trainable_weights", "overlap",
-                     "hierarchical_gather", "offload_pin_memory", "quantized_replica_gradients", "audit_fallback"),
+                     "hierarchical_gather", "offload_pin_memory", "quantized_replica_gradients", "audit_fallback",
+                     "weight_deltas"),
                     _BOOL),
+    "delta_bits": _WEIGHT_BITS,
+    "delta_block_size": _optional(_BLOCK_SIZE),
     "offload": _OFFLOAD,
     "hpz_partition_size": _POSITIVE_INT,
     "block_size": _BLOCK_SIZE,
@@ -213,6 +216,21 @@ class ZeroPPConfig(_KeyedConfig):
     "Accuracy on a pretrained model"). 4 is DeepSpeed's code (``zero_quantized_gradients``)."""
     grad_bits_inter: int = 4
     """Bits per gradient element on qgZ's inter-node hop: 2, 4 or 8."""
+    weight_deltas: bool = False
+    """Keep hpZ's node copy of the weights from step to step and refresh it with each step's
+    ``delta_bits`` differences instead of gathering the weights across nodes: after a step each
+    rank codes the difference between its new shard and what the nodes hold, the ranks of its
+    local index on the other nodes decode it into their copy, and every gather, forward and
+    backward, runs inside the node from the copy. Every node's copy is the same bit for bit; it
+    lies within half a step of the last difference's code of the weights (a closed loop: the next
+    difference carries the last one's rounding). A load, ``load_state_dict``, any edit of the
+    weights outside the optimizer step and ``zeropp.refresh_weights`` send the weights whole
+    instead. Needs hpZ over whole nodes (``hpz_partition_size`` = ranks per node); replaces qwZ's
+    forward gather. See zeropp.techniques.deltas [Note: weight differences]."""
+    delta_bits: int = 4
+    """Bits per element of ``weight_deltas``' differences: 2 to 8."""
+    delta_block_size: int | None = None
+    """Elements sharing one scale in ``weight_deltas``' code; None takes ``block_size``."""
     quantize_intra_node_weights: bool = False
     """qwZ: also quantize all-gathers inside a node (default: full precision). hpZ's backward
     gather sends the codes its copy is kept as either way ([Note: hpZ's copy as qwZ's codes])."""
@@ -312,6 +330,10 @@ class ZeroPPConfig(_KeyedConfig):
             raise ValueError(f"{key('audit_fallback')}=true switches a unit the audit finds beyond its bound to exact "
                              f"collectives, but the audit is off: set {key('audit_every')} to a number of steps "
                              "(e.g. 100), or leave audit_fallback false")
+        if self.weight_deltas and self.hpz_partition_size == 1:
+            raise ValueError(f"{key('weight_deltas')}=true keeps hpZ's node copy of the weights from step to step, "
+                             f"but hpZ is off: set {key('hpz_partition_size')} to the ranks per node (e.g. 8), or "
+                             f"leave {key('weight_deltas')} false")
         if self.hierarchical_gather and not self.quantizes_weights:
             raise ValueError(f"{key('hierarchical_gather')}=true changes qwZ's weight gather, which is off: set "
                              f"{key('quantized_weights')}=true or {key('quantized_nontrainable_weights')}=true, "
@@ -323,8 +345,11 @@ class ZeroPPConfig(_KeyedConfig):
         widths = {"weight_bits": self.weight_bits} if self.quantizes_weights else {}
         if self.quantized_gradients:
             widths.update(grad_bits_intra=self.grad_bits_intra, grad_bits_inter=self.grad_bits_inter)
+        if self.weight_deltas:
+            widths.update(delta_bits=self.delta_bits)
         for bits_name, bits in widths.items():
-            size_name, size = ("block_size", self.block_size) if bits_name == "weight_bits" else self._grad_block_key
+            size_name, size = {"weight_bits": ("block_size", self.block_size),
+                               "delta_bits": self._delta_block_key}.get(bits_name, self._grad_block_key)
             if size < min_block_size(bits):
                 raise ValueError(f"{key(size_name)}={size} is not allowed with {key(bits_name)}={bits}: a block's "
                                  f"codes must fill whole 4-byte words; allowed: {key(size_name)} >= "
@@ -337,6 +362,16 @@ class ZeroPPConfig(_KeyedConfig):
                 f"{key('weight_bits')} >= 4; or {key('quantized_nontrainable_weights')} alone (frozen weights, "
                 f"e.g. a LoRA base); or {key('low_bit_trainable_weights')}=true to train through the coarse code "
                 "anyway")
+
+    @property
+    def _delta_block_key(self) -> tuple[str, int]:
+        return ("block_size", self.block_size) if self.delta_block_size is None else \
+            ("delta_block_size", self.delta_block_size)
+
+    @property
+    def deltas_block_size(self) -> int:
+        """The block size of ``weight_deltas``' code."""
+        return self._delta_block_key[1]
 
     @property
     def _grad_block_key(self) -> tuple[str, int]:
@@ -574,7 +609,8 @@ _DEEPSPEED_KEYS: dict[str, tuple[str, str]] = {
         "grad_full_precision_below", "grad_bits_intra", "grad_bits_inter",
         "quantize_intra_node_weights", "error_feedback", "low_bit_trainable_weights", "grad_rotation",
         "grad_rounding", "grad_levels", "grad_block_size", "grad_scale_bits", "overlap", "hierarchical_gather",
-        "grad_slice_bytes", "quantized_replica_gradients", "audit_every", "audit_fallback")},
+        "grad_slice_bytes", "quantized_replica_gradients", "audit_every", "audit_fallback", "weight_deltas",
+        "delta_bits", "delta_block_size")},
     "bf16.enabled": ("training", "bf16"),
     "fp16.enabled": ("training", "fp16"),
     **{f"fp16.{name}": ("training", name) for name in (

@@ -50,6 +50,7 @@ AheadUnits = Callable[[], Sequence[tuple[CommGroup, Any]]]
 """A model's units gathered first in forward, each with its current all-gather comm."""
 
 _MODELS: weakref.WeakKeyDictionary[nn.Module, tuple[frozenset[int], AheadUnits]] = weakref.WeakKeyDictionary()
+_ON_STEP: weakref.WeakKeyDictionary[nn.Module, tuple[frozenset[int], Callable[[], None]]] = weakref.WeakKeyDictionary()
 _STEPPED_IN_BACKWARD: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 _hook: Any = None
 logger = logging.getLogger(__name__)
@@ -58,14 +59,30 @@ logger = logging.getLogger(__name__)
 def gather_after_step(model: nn.Module, units: AheadUnits | None) -> None:
     """Start ``units()``' gathers whenever an optimizer holding ``model``'s parameters has stepped
     ([Note: gathers after the step]); None stops it for ``model``."""
-    global _hook
     if units is None:
         _MODELS.pop(model, None)
         return
     _MODELS[model] = (frozenset(id(p) for p in model.parameters()), units)
+    _install_hook()
+
+
+def on_step(model: nn.Module, callback: Callable[[], None]) -> None:
+    """Call ``callback`` right after every step of an optimizer holding ``model``'s parameters,
+    inside backward too (``zeropp.optimizer_in_backward``): the weights' differences
+    (``zeropp.techniques.deltas``) tell a step's changes from other edits so."""
+    _ON_STEP[model] = (frozenset(id(p) for p in model.parameters()), callback)
+    _install_hook()
+
+
+def _install_hook() -> None:
+    global _hook
     if _hook is None:
         _hook = register_optimizer_step_post_hook(_after_step)
         atexit.register(_wait_at_exit)
+
+
+def _holds(optimizer: torch.optim.Optimizer, param_ids: frozenset[int]) -> bool:
+    return any(id(p) in param_ids for group in optimizer.param_groups for p in group["params"])
 
 
 def _wait_at_exit() -> None:
@@ -92,11 +109,13 @@ def steps_in_backward(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for param_ids, callback in list(_ON_STEP.values()):
+        if _holds(optimizer, param_ids):
+            callback()
     if in_backward() or optimizer in _STEPPED_IN_BACKWARD:
         return
     for model, (param_ids, units) in list(_MODELS.items()):
-        if not is_initialized(model) or \
-                not any(id(p) in param_ids for group in optimizer.param_groups for p in group["params"]):
+        if not is_initialized(model) or not _holds(optimizer, param_ids):
             continue  # a step before the first forward (DCP's optimizer-state init) starts nothing
         for group, all_gather in units():
             if isinstance(all_gather, GatherAhead) and is_resharded(group) and \

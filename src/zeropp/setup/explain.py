@@ -8,7 +8,9 @@ the ledger's for that step (``tests/test_explain.py``). The refusals of a plan t
 installed are listed with their reasons.
 
 A step here is one forward, one backward and the reduction of every unit that trains something,
-as a loop without gradient accumulation runs it. Not counted: the loop's own collectives (a loss
+as a loop without gradient accumulation runs it; with ``weight_deltas``, a step after the first,
+whose forward sends each trainable unit's differences (the first, and a full refresh, send the
+weights whole instead, once). Not counted: the loop's own collectives (a loss
 averaged for logging), the audit's (every ``audit_every`` steps), and the all-reduce FSDP2 runs
 itself across HSDP's replicas (outside zeropp's comms; shown, marked "FSDP2's own").
 """
@@ -28,6 +30,7 @@ from zeropp.fsdp.ledger import GroupInfo, Op, direct_sends
 from zeropp.setup.install import gather_chunk_dtype, sharded_comms
 from zeropp.setup.plan import Plan, UnitPlan, UnitSpec, plan_bare, plan_sharded
 from zeropp.setup.topology import ShardGroups, Topology, place_on_nodes
+from zeropp.techniques.deltas import delta_codec
 from zeropp.techniques.qgz import HierarchicalQuantizedReduceScatter
 from zeropp.techniques.qwz import QuantizedAllGather, has_two_hops
 
@@ -145,6 +148,9 @@ def explain(model_or_plan: nn.Module | Plan, config: ZeroPPConfig | None = None,
     world = tuple(range(plan.topology.world_size))
     explanation.collectives += [_priced(plan.topology, rank, Collective(
         "", "scalars", "scalars", Op.ALL_REDUCE, world, "fp32", "exact", size)) for size in plan.scalar_bytes]
+    if deltas := sum(unit.secondary == "deltas" for unit in plan.units):
+        explanation.collectives.append(_priced(plan.topology, rank, Collective(
+            "", "decision", "deltas", Op.ALL_REDUCE, world, "one byte per unit", "exact", deltas)))
     return explanation
 
 
@@ -190,6 +196,8 @@ def _gathers(plan: Plan, unit: UnitPlan, rank: int) -> list[Collective]:
     else:
         forward = [Collective(unit.name, "forward gather", "qwZ" if codec is not None else "fsdp", Op.ALL_GATHER,
                               unit.shard_ranks, code, bound, codec.nbytes if codec is not None else plain)]
+    if unit.secondary == "deltas":
+        return _from_node_copy(plan, unit, rank, dtype, plain)
     if layout.kept_whole_after_forward:
         return forward
     if unit.secondary in ("codes", "fsdp"):
@@ -213,6 +221,35 @@ def _gathers(plan: Plan, unit: UnitPlan, rank: int) -> list[Collective]:
                                      "the forward's weights, bit for bit", rows * per_row)]
     return [*forward, *(Collective(c.unit, "backward gather", c.technique, c.op, c.group, c.code, c.bound,
                                    c.bytes_per_peer) for c in forward)]
+
+
+def _from_node_copy(plan: Plan, unit: UnitPlan, rank: int, dtype: torch.dtype, chunk_bytes: int
+                    ) -> list[Collective]:
+    """A unit's gathers from its node copy ([Note: weight differences] in ``zeropp.techniques.deltas``),
+    after a step: a unit that trains sends its chunk's coded differences to the ranks of its
+    index on the other nodes, then each gather (forward, and backward unless the unit stays
+    whole) takes the node's rows inside the node. The first step and a full refresh send the
+    chunk whole across nodes instead (not priced here: a step after it)."""
+    layout, config, topology = unit.layout, plan.config, plan.topology
+    placement = place_on_nodes(topology, unit.shard_ranks)
+    node, index = divmod(unit.shard_ranks.index(rank), placement.ranks_per_node)
+    inside = unit.shard_ranks[node * placement.ranks_per_node:(node + 1) * placement.ranks_per_node]
+    across = unit.shard_ranks[index::placement.ranks_per_node]
+    found = []
+    if any(layout.trainable):
+        codec = delta_codec(layout.padded_numels, [d.is_floating_point for d in layout.gather_dtypes],
+                            layout.shard_group_size, config.delta_bits, config.deltas_block_size)
+        found.append(Collective(unit.name, "forward gather", "deltas", Op.ALL_GATHER, across,
+                                f"int{config.delta_bits} differences, blocks of {config.deltas_block_size}",
+                                "half a step of the difference per element", codec.nbytes))
+    if placement.ranks_per_node > 1:
+        rows = placement.num_nodes * chunk_bytes
+        found.append(Collective(unit.name, "forward gather", "hpZ", Op.ALL_GATHER, inside, _dtype_name(dtype),
+                                "the node copy", rows))
+        if not layout.kept_whole_after_forward:
+            found.append(Collective(unit.name, "backward gather", "hpZ", Op.ALL_GATHER, inside, _dtype_name(dtype),
+                                    "the forward's weights, bit for bit", rows))
+    return found
 
 
 def _reduction(plan: Plan, unit: UnitPlan, rank: int) -> list[Collective]:
@@ -310,6 +347,7 @@ def _techniques(config: ZeroPPConfig) -> str:
     on = [name for name, flag in (("qwZ", config.quantized_weights), ("frozen weights quantized",
                                                                       config.quantized_nontrainable_weights),
                                   (f"hpZ {config.hpz_partition_size}", config.hpz_partition_size > 1),
+                                  (f"weight differences (int{config.delta_bits})", config.weight_deltas),
                                   ("qgZ", config.quantized_gradients),
                                   ("quantized replicas", config.quantized_replica_gradients)) if flag]
     return ", ".join(on) if on else "plain ZeRO-3 (FSDP2)"

@@ -40,6 +40,7 @@ from zeropp.fsdp.unused import GradientPresence
 from zeropp.setup.plan import Plan, UnitPlan
 from zeropp.setup.topology import ProcessGroups, Topology, build_process_groups
 from zeropp.techniques.audit import Audit, Auditable, AuditedUnit, install_audit
+from zeropp.techniques.deltas import DeltaAllGather, keep_weight_deltas
 from zeropp.techniques.hpz import generate_in_generation_mode, keep_secondary_as_codes, keep_secondary_copies_fresh
 from zeropp.techniques.hpz_mesh import NodeCopy, NodeCopyAllGather
 from zeropp.techniques.qgz import HierarchicalQuantizedReduceScatter
@@ -66,12 +67,17 @@ def install(model: FSDPModule, plan: Plan, groups: ProcessGroups) -> nn.Module:
         if groups.hpz_mesh is not None and planned.secondary in ("fsdp", "codes") and \
                 planned.layout.shard_group_size == plan.topology.world_size:
             set_post_forward_mesh(unit, groups.hpz_mesh)
+    deltas = []
     for unit, planned in zip(units, plan.units):
         all_gather, reduce_scatter = _comms(unit, planned, groups, config)
+        if isinstance(all_gather, DeltaAllGather):
+            deltas.append(all_gather)
         presence = GradientPresence(unit, Recorder(groups.topology), shard_group(unit), replicate_group(unit))
         for recorder in (all_gather.recorder, reduce_scatter.recorder, presence.recorder):
             recorder.unit = planned.name
         installed.add(unit, all_gather, reduce_scatter, presence)
+    if deltas:
+        keep_weight_deltas(model, deltas, groups.topology)
     install_audit(model, _audit(config, installed, groups.topology) if config.audit_every else None)
     if (timeout_s := collective_timeout_s()) is not None:
         set_process_group_timeouts(timeout_s)
@@ -97,7 +103,12 @@ def _comms(module: CommGroup, planned: UnitPlan, groups: ProcessGroups, config: 
     node_copy = None  # hpZ on a 2-D mesh: the copy zeropp keeps on the node ([Note: hpZ on a 2-D mesh])
     if planned.secondary == "node copy":
         node_copy = NodeCopy(layout.shard_group_size, shard.intra_node_group, shard.intra_node_group.rank())
-    if planned.gathers == "qwZ":
+    if planned.gathers == "deltas":
+        all_gather = DeltaAllGather(topology, shard, module, layout.padded_numels,
+                                    [dtype.is_floating_point for dtype in layout.gather_dtypes],
+                                    any(layout.trainable), bits=config.delta_bits, block_size=config.deltas_block_size)
+        keep_secondary_as_codes(module, None)
+    elif planned.gathers == "qwZ":
         all_gather = QuantizedAllGather(
             topology, layout.padded_numels, list(planned.quantized), bits=config.weight_bits,
             asymmetric=config.weight_code == "asymmetric", block_size=config.block_size,

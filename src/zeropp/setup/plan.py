@@ -79,7 +79,8 @@ class UnitPlan:
     secondary: str
     """hpZ's secondary copy: "none"; "fsdp" (FSDP2's own, over hpZ's node mesh or the unit's own
     ``reshard_after_forward`` group); "codes" (the same, kept as qwZ's codes); "node copy" (a
-    2-D mesh: kept by zeropp)."""
+    2-D mesh: kept by zeropp); "deltas" (zeropp's node copy kept from step to step and refreshed
+    by weight differences, which serves every gather: ``zeropp.techniques.deltas``)."""
     partition: int
     """Ranks the unit stays sharded over between forward and backward (hpZ's partition; the
     shard group's size where it keeps no secondary copy)."""
@@ -93,7 +94,10 @@ class UnitPlan:
 
     @property
     def gathers(self) -> str:
-        """The weight gather: "qwZ" when any parameter is quantized, else "fsdp"."""
+        """The weight gather: "deltas" from the node copy, "qwZ" when any parameter is quantized,
+        else "fsdp"."""
+        if self.secondary == "deltas":
+            return "deltas"
         return "qwZ" if any(self.quantized) else "fsdp"
 
 
@@ -231,6 +235,11 @@ def _scalar_bytes(model: nn.Module) -> list[int]:
 def _model_refusals(model: nn.Module, config: ZeroPPConfig, topology: Topology) -> list[str]:
     """The checks that need the model and the topology but no unit: hpZ's size, the name patterns."""
     refusals = _refused(check_hpz, config.hpz_partition_size, topology, config.key_of("hpz_partition_size"))
+    hpz_key = config.key_of("hpz_partition_size")
+    if config.weight_deltas and config.hpz_partition_size != topology.ranks_per_node and not refusals:
+        refusals.append(f"{config.key_of('weight_deltas')}=true keeps the node copy over each whole node, but "
+                        f"{hpz_key}={config.hpz_partition_size} splits the {topology.ranks_per_node} ranks of a node: "
+                        f"set {hpz_key}={topology.ranks_per_node}")
     names = [name for name, _ in model.named_parameters()]
     for key in ("unquantized_parameters", "grad_full_precision_parameters"):
         for pattern in getattr(config, key):
@@ -271,6 +280,8 @@ def _plan(config: ZeroPPConfig, topology: Topology, planned: list, scalar_bytes:
         smaller_after_forward = partition < layout.shard_group_size
         if not layout.padded_numels:
             secondary = "none"
+        elif config.weight_deltas and len({topology.node_of(rank) for rank in shard_ranks}) > 1:
+            secondary = "deltas"
         elif not on_world and config.hpz_partition_size > 1:
             secondary = "node copy"
         elif any(layout.self_gathered) and hpz_mesh and on_world and not layout.kept_whole_after_forward:
@@ -323,6 +334,8 @@ def _unit_refusals(name: str, layout: UnitLayout, ranks: Sequence[int], replicas
     hpz, hpz_key = config.hpz_partition_size, config.key_of("hpz_partition_size")
     if hpz > 1 and not on_world:
         refusals += _hpz_on_2d_mesh(config, topology, name, ranks, layout.shard_group_size)
+    if config.weight_deltas:
+        refusals += _deltas_refusals(name, layout, replicas, config)
     if hpz > 1 and layout.post_forward_group_size not in (hpz, layout.shard_group_size):
         refusals.append(
             f"{hpz_key}={hpz}, but {name} was sharded with reshard_after_forward="
@@ -330,6 +343,30 @@ def _unit_refusals(name: str, layout: UnitLayout, ranks: Sequence[int], replicas
             f"shard it with reshard_after_forward=True (zeropp.enable then sets hpZ's partition) or {hpz}, "
             f"or set {hpz_key}={layout.post_forward_group_size}")
     return refusals
+
+
+def _deltas_refusals(name: str, layout: UnitLayout, replicas: Sequence[int] | None, config: ZeroPPConfig
+                     ) -> list[str]:
+    """Where a unit cannot keep its node copy from step to step ([Note: weight differences] in
+    ``zeropp.techniques.deltas``), each naming why and what works instead."""
+    key = config.key_of("weight_deltas")
+    if replicas is not None:
+        return [f"{key}=true refreshes a copy of the weights each node holds, but {name} is sharded HSDP style "
+                "(replicated across nodes, sharded inside one): its gathers never cross nodes, so there is no "
+                f"cross-node gather to replace. Leave {key} false (quantized_replica_gradients cuts HSDP's "
+                "cross-node bytes)"]
+    if any(layout.self_gathered):
+        return [f"{key}=true codes weight differences in the gather dtype, but {name} holds weights that gather "
+                "themselves (torchao's float8 all-gather: 1 byte a weight, its own scales): leave them to it "
+                f"and set {key} false, or convert the model without float8 all-gather"]
+    if len(set(layout.gather_dtypes)) > 1:
+        return [f"{key}=true, but {name} gathers parameters of several dtypes "
+                f"({', '.join(sorted({str(d) for d in layout.gather_dtypes}))}), which FSDP2 moves as raw bytes: "
+                "set ZeroPPConfig param_dtype (one gather dtype), or leave it false"]
+    if layout.post_forward_group_size not in (layout.shard_group_size,) and not layout.kept_whole_after_forward:
+        return [f"{key}=true serves every gather of {name} from zeropp's node copy, but the unit was sharded with "
+                f"reshard_after_forward={layout.post_forward_group_size}: shard it with reshard_after_forward=True"]
+    return []
 
 
 def _hpz_on_2d_mesh(config: ZeroPPConfig, topology: Topology, name: str, ranks: Sequence[int],

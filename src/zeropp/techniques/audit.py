@@ -56,7 +56,8 @@ class AuditRow:
     unit: str
     """The unit's path in the model ("the root" for the root)."""
     technique: str
-    """"qwZ" (the weight gather) or "qgZ" (the gradient reduce-scatter)."""
+    """"qwZ" (the weight gather), "qgZ" (the gradient reduce-scatter) or "deltas" (the node copy
+    of ``weight_deltas`` against the master shards: ``zeropp.techniques.deltas``)."""
     step: int
     """The training forward (1, 2, ...: micro-batches, counted by the audit) it ran in."""
     relative_error: float
@@ -102,10 +103,10 @@ class Request:
     unit_index: int
     step: int
 
-    def record(self, technique: str, tally: Tally) -> None:
-        """Sum the tally over the world (every rank calls this for the same collective) and
-        record the row."""
-        self.audit.record(self, technique, tally)
+    def record(self, technique: str, tally: Tally) -> AuditRow:
+        """Sum the tally over the world (every rank calls this for the same collective), record
+        the row and return it (the same on every rank)."""
+        return self.audit.record(self, technique, tally)
 
 
 @dataclass
@@ -162,7 +163,7 @@ class Audit:
         for comm in self.units[index].comms:
             comm.audit_request = Request(self, index, self.passes)
 
-    def record(self, request: Request, technique: str, tally: Tally) -> None:
+    def record(self, request: Request, technique: str, tally: Tally) -> AuditRow:
         totals = torch.tensor([tally.error_sq, tally.exact_sq, tally.bound_sq, tally.violations],
                               dtype=torch.float64)
         all_reduce_sum(totals, None, self.recorder, TECHNIQUE)
@@ -174,7 +175,7 @@ class Audit:
                        relative_norm(bound_sq, exact_sq), within, falls_back)
         self.rows.append(row)
         if within:
-            return
+            return row
         then = ("it uses exact collectives from the next step on (audit_fallback)" if falls_back else
                 "set audit_fallback=true to switch such a unit to exact collectives")
         logger.warning("zeropp audit: unit %r's %s at step %d is off by %.3g (relative), beyond the %.3g its "
@@ -183,6 +184,7 @@ class Audit:
         if falls_back:
             self.fallen.add(request.unit_index)
             self._pending.append(request.unit_index)
+        return row
 
 
 _AUDITS: weakref.WeakKeyDictionary[nn.Module, Audit] = weakref.WeakKeyDictionary()

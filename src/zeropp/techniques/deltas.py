@@ -1,0 +1,336 @@
+"""Weight differences over hpZ's node copy: every gather inside the node, and only each step's
+coded differences across nodes (``ZeroPPConfig(weight_deltas=True)``).
+
+[Note: weight differences]
+Under ZeRO-3 every step sends the whole model across nodes as the forward's gather (qwZ halves
+it), although a step moves a weight by about the learning rate and hpZ already holds the whole
+model on every node between a unit's forward and its backward. Here that copy lives on from
+step to step. A unit sharded over S = N nodes x D ranks lays its flat buffer out as S chunks,
+chunk ``n*D + d`` owned by rank d of node n. The rank of local index d on every node holds the
+N chunks ``n*D + d`` (``rows``): its own chunk and those of the ranks of its index on the other
+nodes, the ranks of its inter-node group. So:
+
+- a gather (forward or backward) all-gathers ``rows`` inside the node: the D ranks' rows are
+  all S chunks, put back in chunk order; nothing crosses a node;
+- after an optimizer step each rank codes the difference between its new chunk (FSDP2's gather
+  input: the shard in the gather dtype) and its own row, ``delta_bits`` per element in blocks,
+  and all-gathers the codes over its inter-node group; every rank of the group decodes the N
+  differences and adds them to its rows in the same arithmetic, the owner to its own row as
+  well. Every node's copy stays the same bit for bit, and the owner's next difference is taken
+  against what the nodes hold: the loop is closed, so a code's rounding is carried by the next
+  difference instead of adding up. A row lies within half a step of its last difference's code
+  of the weight (plus the gather dtype's rounding), where qwZ's gather lies within half an INT8
+  step of the weight itself;
+- a full refresh sends each chunk whole over the inter-node group instead: the first gather, a
+  load or ``load_state_dict``, an edit of the weights outside the optimizer step, the audit
+  finding a row beyond its bound, ``zeropp.refresh_weights``.
+
+What a unit's next forward does is decided for every unit at the root's forward, on every rank
+at once ([Note: one decision]). Cross-node bytes per step: a unit's P weights once, at
+``delta_bits`` per weight (plus a scale per block), N - 1 times per chunk; a unit without a
+trainable parameter sends nothing after its first gather. Memory: the rows, P / D weights in
+the gather dtype, held for the whole job where hpZ holds its copy from forward to backward.
+
+[Note: one decision]
+A refresh is a collective, so every rank of an inter-node group must take the same one; but
+what each rank sees (its shards' version counters) is its own: an empty shard of a small
+parameter may not move when the others do, and an edit may touch some ranks' shards only. So
+at every root forward each rank states, per unit, what its own chunk needs (nothing; a
+difference: its shards moved in an optimizer step and nothing else since; whole: its rows were
+never filled, its shards changed outside a step, a load, ``zeropp.refresh_weights``, the audit),
+and one all-reduce (max, a byte per unit) makes it every rank's. The unit's next forward gather
+carries it out; gradient accumulation's micro-batches and ``no_grad`` forwards between steps
+find nothing to do and send nothing across nodes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zeropp.codes.bounds import block_constant, coding_bound
+from zeropp.codes.codec import ChunkCodec, segments_for
+from zeropp.fsdp.access import AllGather, CommGroup, in_backward, shard_versions
+from zeropp.fsdp.after_step import on_step
+from zeropp.fsdp.comms import Completion, DecodeOnWait, RecordedComm, Started, all_gather, all_reduce
+from zeropp.fsdp.ledger import CommLedger
+from zeropp.setup.topology import ShardGroups, Topology
+from zeropp.techniques.audit import Auditable, Request, Tally
+
+NOTHING, DIFFERENCE, WHOLE = 0, 1, 2
+"""What a unit's next forward gather does to its rows ([Note: one decision])."""
+
+
+def delta_codec(padded_numels: Sequence[int], floating: Sequence[bool], group_size: int, bits: int,
+                block_size: int) -> ChunkCodec:
+    """The code of one rank's chunk of differences (fp32): each floating-point parameter's slice
+    in blocks of ``bits``, any other's sent as it is."""
+    return ChunkCodec(segments_for(padded_numels, list(floating), group_size, bits), block_size, torch.float32)
+
+
+class DeltaAllGather(RecordedComm, Auditable, AllGather):
+    """One unit's gathers from its node copy, refreshed by coded weight differences ([Note:
+    weight differences]). FSDP2 asks for a gather over the unit's shard group (S ranks) in
+    forward and in backward; both are served from ``rows`` inside the node.
+
+    Audited ([Note: the audit] in ``zeropp.techniques.audit``), a forward gather holds each
+    rank's own row against its chunk of the master shards (FSDP2's gather input), within the
+    bound of the row's last difference (0 after a full refresh) and the gather dtype's rounding:
+    no byte moves for it but the audit's one all-reduce. A row beyond its bound (corrupted
+    memory, a code gone wrong) makes the next forward refresh the unit whole, on every rank."""
+
+    technique = "deltas"
+
+    def __init__(self, topology: Topology, shard: ShardGroups, unit: CommGroup, padded_numels: Sequence[int],
+                 floating: Sequence[bool], trainable: bool, *, bits: int, block_size: int,
+                 ledger: CommLedger | None = None) -> None:
+        super().__init__(topology, ledger)
+        self.shard, self.unit, self.trainable = shard, unit, trainable
+        self.num_nodes, self.ranks_per_node = shard.placement.num_nodes, shard.placement.ranks_per_node
+        self.group_size = self.num_nodes * self.ranks_per_node
+        self.node_index = shard.inter_node_group.rank()
+        """Which of ``rows`` is this rank's own chunk."""
+        self.codec = delta_codec(padded_numels, floating, self.group_size, bits, block_size)
+        self.rows: torch.Tensor | None = None
+        """(N, chunk) in the gather dtype: chunk ``n*D + d`` of the unit for n = 0..N-1, d this
+        rank's index in its node."""
+        self.pending = WHOLE
+        """What the next forward gather does (the largest decided since the last one)."""
+        self.forced = True
+        """A full refresh asked for locally (nothing filled yet, a load, ``refresh_weights``, the audit)."""
+        self.versions: tuple[int, ...] | None = None
+        """The shards' versions when the rows were last decided on."""
+        self.stepped_versions: tuple[int, ...] | None = None
+        """The shards' versions right after the last optimizer step over them."""
+        self.refreshes = {NOTHING: 0, DIFFERENCE: 0, WHOLE: 0}
+        """Forward gathers by what they did to the rows first."""
+        self.last_bound: torch.Tensor | None = None
+        """Per element of this rank's own row: the bound of its last difference's code (fp32,
+        block-constant as ``zeropp.codes.bounds`` lays it out), plus the gather dtype's rounding."""
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
+        work, complete = self.start(input_tensor, group, async_op, output_tensor)
+        if work is not None and async_op:
+            return DecodeOnWait(work, lambda: complete(output_tensor))
+        if work is not None:
+            work.wait()
+        complete(output_tensor)
+        return None
+
+    def local_need(self) -> int:
+        """What this rank's own chunk needs before the next forward ([Note: one decision])."""
+        versions = shard_versions([self.unit])
+        if self.forced or self.rows is None:
+            need = WHOLE
+        elif versions == self.versions:
+            need = NOTHING
+        elif self.trainable and versions == self.stepped_versions:
+            need = DIFFERENCE
+        else:
+            need = WHOLE
+        self.versions, self.forced = versions, False
+        return need
+
+    def start(self, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool,
+              output_tensor: torch.Tensor | None) -> Started:
+        if group.size() != self.group_size:
+            raise RuntimeError(f"weight_deltas: unit {self.recorder.unit!r} was asked to gather over {group.size()} "
+                               f"ranks; its node copy serves gathers over its shard group of {self.group_size}")
+        chunk = input_tensor.numel()
+        if output_tensor is None:
+            output_tensor = input_tensor.new_empty(chunk * self.group_size)
+        action = NOTHING if in_backward() else self.pending
+        request = None if in_backward() else self.take_audit()
+        if not in_backward():
+            self.refreshes[action] += 1
+        if action != NOTHING:
+            self.pending = NOTHING
+            work, complete = self._refresh(action, input_tensor, async_op)
+        else:
+            work, complete = self._gather_rows(async_op)
+        if request is not None:
+            complete = complete.followed_by(lambda _: self._check(request, input_tensor))
+        return work, complete
+
+    def _check(self, request: Request, master: torch.Tensor) -> None:
+        """The audit of this rank's row against its master chunk ([Note: the audit])."""
+        own = self.rows[self.node_index].view(1, -1)
+        bound = self.last_bound if self.last_bound is not None else torch.zeros_like(own, dtype=torch.float32)
+        tally = Tally()
+        tally.add(self.codec, own, master.view(1, -1), bound.view(1, -1))
+        if not request.record(self.technique, tally).within_bound:
+            self.forced = True
+
+    def _refresh(self, action: int, input_tensor: torch.Tensor, async_op: bool) -> Started:
+        """Bring the rows up to date across nodes (async if asked), then gather them in the node."""
+        inter = self.shard.inter_node_group
+        if action == WHOLE or self.rows is None:
+            arrived = input_tensor.new_empty((self.num_nodes, input_tensor.numel()))
+            work = all_gather(arrived.view(-1), input_tensor, inter, self.recorder, "refresh", async_op=async_op)
+            self.last_bound = None
+
+            def adopt() -> None:
+                self.rows = arrived
+        else:
+            delta = input_tensor.float() - self.rows[self.node_index].float()
+            send = torch.empty((1, self.codec.nbytes), dtype=torch.uint8, device=input_tensor.device)
+            self.codec.encode(delta.view(1, -1), send)
+            arrived = torch.empty((self.num_nodes, self.codec.nbytes), dtype=torch.uint8, device=send.device)
+            work = all_gather(arrived.view(-1), send.view(-1), inter, self.recorder, self.technique,
+                              dtype=f"int{self.codec.segments[0].bits}", async_op=async_op)
+            own = self.node_index
+            bound = coding_bound(self.codec, delta.view(1, -1))
+
+            def adopt() -> None:
+                self._apply(arrived)
+                self.last_bound = bound + block_constant(self.codec, _rounding(self.rows[own]).view(1, -1))
+
+        if work is None:
+            adopt()
+            return self._gather_rows(async_op)
+        return work, Completion(arrived, lambda output: self._after(work, adopt, output))
+
+    def _after(self, work: dist.Work, adopt: Callable[[], None], output: torch.Tensor) -> None:
+        work.wait()
+        adopt()
+        self._gather_rows(False)[1](output)
+
+    def _apply(self, arrived: torch.Tensor) -> None:
+        """Add the N decoded differences to the rows, as every holder of them does."""
+        decoded = torch.empty((self.num_nodes, self.codec.numel), dtype=torch.float32, device=arrived.device)
+        self.codec.decode(arrived, decoded)
+        if self.rows.dtype == torch.float32:
+            self.rows += decoded
+        else:
+            self.rows.copy_(self.rows.float() + decoded)
+
+    def _gather_rows(self, async_op: bool) -> Started:
+        """The S chunks from the node's rows: rank d's row n is chunk n*D + d."""
+        rows = self.rows
+        gathered = rows.new_empty((self.ranks_per_node, self.num_nodes, rows.shape[1]))
+        if self.ranks_per_node == 1:
+            gathered.copy_(rows.unsqueeze(0))
+            work = None
+        else:
+            work = all_gather(gathered.view(-1), rows.view(-1), self.shard.intra_node_group, self.recorder, "hpZ",
+                              async_op=async_op)
+
+        def in_chunk_order(output: torch.Tensor) -> None:
+            output.view(self.num_nodes, self.ranks_per_node, -1).copy_(gathered.transpose(0, 1))
+
+        return work, Completion(gathered, in_chunk_order)
+
+    def copy_bytes(self) -> int:
+        """Bytes of the rows held (0 before the first gather)."""
+        return 0 if self.rows is None else self.rows.numel() * self.rows.element_size()
+
+
+def _rounding(row: torch.Tensor) -> torch.Tensor:
+    """Per element, what adding a decoded difference to ``row`` in its dtype may round off (a
+    whole ulp, for the difference's own fp32 rounding too)."""
+    eps = torch.finfo(row.dtype).eps if row.dtype != torch.float32 else 2.0 ** -22
+    return eps * row.float().abs()
+
+
+@dataclass
+class WeightDeltas:
+    """The delta comms of one sharded model and the decision that drives them ([Note: one decision])."""
+
+    comms: list[DeltaAllGather]
+    topology: Topology
+
+    def decide(self) -> None:
+        """Every rank's needs, per unit, made every rank's (the largest), and set on each comm."""
+        needs = torch.tensor([comm.local_need() for comm in self.comms], dtype=torch.uint8)
+        needs = needs.to(_device_of(self.comms))
+        all_reduce(needs, dist.ReduceOp.MAX, None, self.comms[0].recorder, "deltas")
+        for comm, need in zip(self.comms, needs.tolist()):
+            comm.pending = max(comm.pending, need)
+
+    def stepped(self) -> None:
+        """An optimizer over the model's parameters has stepped: what its shards are now."""
+        for comm in self.comms:
+            comm.stepped_versions = shard_versions([comm.unit])
+
+    def force_whole(self) -> None:
+        for comm in self.comms:
+            comm.forced = True
+
+
+def _device_of(comms: Sequence[DeltaAllGather]) -> torch.device:
+    for comm in comms:
+        if comm.rows is not None:
+            return comm.rows.device
+    backend = dist.get_backend()
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+_MODELS: weakref.WeakKeyDictionary[nn.Module, WeightDeltas] = weakref.WeakKeyDictionary()
+
+
+def keep_weight_deltas(model: nn.Module, comms: list[DeltaAllGather], topology: Topology) -> None:
+    """Drive ``comms`` from ``model``'s root forward, its optimizer steps and its loads
+    ([Note: one decision]); a model enabled again keeps its hooks and takes the new comms."""
+    first = model not in _MODELS
+    _MODELS[model] = WeightDeltas(comms, topology)
+    if first:
+        model.register_forward_pre_hook(_decide, prepend=True)
+        model.register_load_state_dict_pre_hook(_loading)
+        reference = weakref.ref(model)
+        on_step(model, lambda: _stepped(reference))
+
+
+def _decide(model: nn.Module, _: object) -> None:
+    _MODELS[model].decide()
+
+
+def _loading(model: nn.Module, *_: object) -> None:
+    _MODELS[model].force_whole()
+
+
+def _stepped(reference: weakref.ref[nn.Module]) -> None:
+    model = reference()
+    if model is not None and model in _MODELS:
+        _MODELS[model].stepped()
+
+
+def weight_deltas_of(model: nn.Module) -> WeightDeltas | None:
+    """The weight deltas installed on ``model`` (None without ``weight_deltas``)."""
+    return _MODELS.get(model)
+
+
+def refresh_weights(model: nn.Module) -> None:
+    """Send ``model``'s weights whole across nodes at its next forward, replacing the node
+    copy's differences ([Note: weight differences]): after changing the weights in a way zeropp
+    cannot see (a change through another reference to the same storage). Every rank must call it.
+    A model without ``weight_deltas`` has no copy to refresh: nothing happens."""
+    deltas = _MODELS.get(model)
+    if deltas is not None:
+        deltas.force_whole()
+
+
+def copy_checksums(model: nn.Module) -> list[str]:
+    """A digest of this rank's rows of every unit's node copy: equal on the ranks of one local
+    index on every node, which hold the same rows ([Note: weight differences])."""
+    deltas = _MODELS.get(model)
+    if deltas is None:
+        return []
+    return [hashlib.sha256(comm.rows.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:16]
+            if comm.rows is not None else "" for comm in deltas.comms]
+
+
+def held_copy_bytes(model: nn.Module) -> int:
+    """Bytes of node copies held on this rank (every unit's rows)."""
+    deltas = _MODELS.get(model)
+    return 0 if deltas is None else sum(comm.copy_bytes() for comm in deltas.comms)
+
+
+__all__ = ["DeltaAllGather", "WeightDeltas", "copy_checksums", "held_copy_bytes", "keep_weight_deltas",
+           "refresh_weights", "weight_deltas_of"]
