@@ -252,3 +252,85 @@ def test_a_frozen_unit_crosses_nodes_once_and_each_step_sends_the_trainable_diff
     expected = (steps - 1) * sum(p for p, t in zip(result["payload"], result["trainable"]) if t)
     assert result["delta_cross_node_bytes"] == expected, (result["delta_cross_node_bytes"], expected)
     assert result["refresh_bytes"] == 0
+
+
+def _audit_job(rank: int, world_size: int) -> dict:
+    """The audit holds each row against its master chunk and its peers' rows; rows corrupted on
+    rank 0 are found, and every rank's next forward refreshes those units whole."""
+    model = zeropp.shard(make_model("gpt"), _config(2, audit_every=1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    units = len(weight_deltas_of(model).comms)
+    x, y = _batch(0, rank, world_size)
+
+    def train_step() -> None:
+        model(x, y)[1].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for _ in range(2 * units):
+        train_step()
+    clean = [row for row in zeropp.audit_report(model) if row.technique == "deltas"]
+    if rank == 0:
+        for comm in weight_deltas_of(model).comms:
+            comm.rows[1 - comm.node_index] += 1.0  # a row rank 0 holds for the other node's rank
+    during = [_did(model, lambda: model(x, y)[1].backward()) for _ in range(units + 1)]  # micro-batches
+    rows = [row for row in zeropp.audit_report(model) if row.technique == "deltas"][len(clean):]
+    seen, masters = forward_weights(model, x, y), _masters(model)
+    return {"clean": [(row.within_bound, row.relative_error, row.bound) for row in clean],
+            "corrupted": [(row.unit, row.within_bound) for row in rows[:units]], "during": during,
+            "exact_after": all(torch.equal(seen[n], masters[n]) for n in masters),
+            "checksums": copy_checksums(model), "units": units}
+
+
+def test_the_audit_finds_a_corrupted_copy_and_refreshes_it_whole() -> None:
+    """With ``audit_every=1`` every training forward audits one unit: its rows against the master
+    shards and against the other nodes' rows. Within the bound while training; once rank 0's
+    copy of another rank's row is corrupted, each unit's audit (in micro-batches, which refresh
+    nothing) finds it, and the next forward refreshes that unit whole on every rank: the weights
+    exact and the copies equal again."""
+    results = run_distributed(_audit_job, 4, env=TWO_BY_TWO)
+    for result in results:
+        assert len(result["clean"]) >= result["units"] and all(within for within, _, _ in result["clean"])
+        assert all(error <= bound for _, error, bound in result["clean"])
+        assert len(result["corrupted"]) == result["units"] and not any(w for _, w in result["corrupted"])
+        assert all("whole" in did for did in result["during"][1:])  # the first after the step sends differences
+        assert result["exact_after"]
+    assert results[0]["checksums"] == results[2]["checksums"]
+
+
+def _refusals_job(rank: int, world_size: int, cases: list[str]) -> dict:
+    from test_meshes import _sharded
+
+    builds = {
+        "a partition smaller than the node": lambda: zeropp.shard(make_model("gpt"), _config(2)),
+        "HSDP": lambda: _sharded("hsdp", 2, {"weight_deltas": True, "hpz_partition_size": 2}),
+        "mixed dtypes": lambda: zeropp.shard(_mixed(), _config(int(__import__("os").environ["ZEROPP_RANKS_PER_NODE"])))}
+    out = {}
+    for name in cases:
+        try:
+            builds[name]()
+            out[name] = "no error"
+        except ValueError as error:
+            out[name] = str(error)
+    return out
+
+
+def _mixed() -> torch.nn.Module:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    model[0].to(torch.bfloat16).requires_grad_(False)
+    return model
+
+
+def test_where_the_copy_cannot_live_it_is_refused_by_name() -> None:
+    """Without hpZ (a config error), with hpZ's partition smaller than a node, on HSDP's units
+    (no cross-node gather to replace), on a unit FSDP2 gathers as bytes (several dtypes)."""
+    with pytest.raises(ValueError, match="weight_deltas=true keeps hpZ's node copy.*hpz_partition_size"):
+        zeropp.ZeroPPConfig(weight_deltas=True)
+    results = run_distributed(_refusals_job, 4, ["a partition smaller than the node", "mixed dtypes"],
+                              env={"ZEROPP_RANKS_PER_NODE": "4"})
+    results = [{**one, **two} for one, two in zip(results, run_distributed(_refusals_job, 4, ["HSDP"], env=TWO_BY_TWO))]
+    first = results[0]
+    assert "set hpz_partition_size=4" in first["a partition smaller than the node"]
+    assert "HSDP" in first["HSDP"] and "quantized_replica_gradients" in first["HSDP"]
+    assert "param_dtype" in first["mixed dtypes"]
+    assert all(result == first for result in results)

@@ -332,10 +332,10 @@ def _unit_refusals(name: str, layout: UnitLayout, ranks: Sequence[int], replicas
             f"replicas, but {name} has no replicas (sharded on a 1-D mesh or a tensor parallel x FSDP one): shard "
             "it with fully_shard(module, mesh=<(replicate, shard) mesh>) or leave the option off")
     hpz, hpz_key = config.hpz_partition_size, config.key_of("hpz_partition_size")
-    if hpz > 1 and not on_world:
-        refusals += _hpz_on_2d_mesh(config, topology, name, ranks, layout.shard_group_size)
     if config.weight_deltas:
         refusals += _deltas_refusals(name, layout, replicas, config)
+    if hpz > 1 and not on_world:
+        refusals += _hpz_on_2d_mesh(config, topology, name, ranks, layout.shard_group_size)
     if hpz > 1 and layout.post_forward_group_size not in (hpz, layout.shard_group_size):
         refusals.append(
             f"{hpz_key}={hpz}, but {name} was sharded with reshard_after_forward="

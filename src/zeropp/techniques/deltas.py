@@ -81,9 +81,12 @@ class DeltaAllGather(RecordedComm, Auditable, AllGather):
 
     Audited ([Note: the audit] in ``zeropp.techniques.audit``), a forward gather holds each
     rank's own row against its chunk of the master shards (FSDP2's gather input), within the
-    bound of the row's last difference (0 after a full refresh) and the gather dtype's rounding:
-    no byte moves for it but the audit's one all-reduce. A row beyond its bound (corrupted
-    memory, a code gone wrong) makes the next forward refresh the unit whole, on every rank."""
+    bound of the row's last difference (0 after a full refresh) and the gather dtype's rounding,
+    and its rows against the other nodes' (a digest of 16 bytes each, over the inter-node group:
+    a row corrupted on one node would otherwise pass its error to the others through the owner's
+    next difference, which is taken against the owner's own row). A row beyond its bound or
+    differing from its peers (corrupted memory, a code gone wrong) makes the next forward refresh
+    the unit whole, on every rank."""
 
     technique = "deltas"
 
@@ -160,11 +163,15 @@ class DeltaAllGather(RecordedComm, Auditable, AllGather):
         return work, complete
 
     def _check(self, request: Request, master: torch.Tensor) -> None:
-        """The audit of this rank's row against its master chunk ([Note: the audit])."""
+        """The audit: this rank's own row against its master chunk, and its rows against those
+        of the ranks of its index on the other nodes, which hold the same (a digest of each)."""
         own = self.rows[self.node_index].view(1, -1)
         bound = self.last_bound if self.last_bound is not None else torch.zeros_like(own, dtype=torch.float32)
         tally = Tally()
         tally.add(self.codec, own, master.view(1, -1), bound.view(1, -1))
+        digests = torch.empty((self.num_nodes, 2), dtype=torch.int64, device=own.device)
+        all_gather(digests.view(-1), _digest(self.rows), self.shard.inter_node_group, self.recorder, "audit")
+        tally.violations += int(not bool((digests == digests[0]).all()))
         if not request.record(self.technique, tally).within_bound:
             self.forced = True
 
@@ -230,6 +237,13 @@ class DeltaAllGather(RecordedComm, Auditable, AllGather):
     def copy_bytes(self) -> int:
         """Bytes of the rows held (0 before the first gather)."""
         return 0 if self.rows is None else self.rows.numel() * self.rows.element_size()
+
+
+def _digest(rows: torch.Tensor) -> torch.Tensor:
+    """Two integers that differ where two copies of ``rows`` differ in any bit (but for a
+    collision): the sum of their bits as integers, and the sum weighted by position."""
+    bits = rows.contiguous().view(-1).view(torch.int32 if rows.element_size() == 4 else torch.int16).long()
+    return torch.stack([bits.sum(), (bits * torch.arange(1, len(bits) + 1, device=bits.device)).sum()])
 
 
 def _rounding(row: torch.Tensor) -> torch.Tensor:
