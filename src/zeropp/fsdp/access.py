@@ -394,9 +394,12 @@ def _fsdp_params(units: Iterable[FSDPModule | CommGroup]) -> Iterator[Any]:
 
 def shard_versions(units: Iterable[FSDPModule]) -> tuple[int, ...]:
     """The version counters of the units' primary shards: any in-place change of a shard (an
-    optimizer step, a load, an edit through ``model.parameters()``) bumps one."""
-    # the DTensor's own counter: in-place ops through DTensor dispatch do not bump its local tensor's
-    return tuple(p.sharded_param._version for p in _fsdp_params(units))
+    optimizer step, a load, an edit through ``model.parameters()``, a copy into its local tensor
+    such as ``zeropp.offload_optimizer``'s) bumps one."""
+    # both counters: in-place ops through DTensor dispatch bump the DTensor's own and not its local
+    # tensor's, and a write into the local tensor (``to_local().copy_``) bumps only the local one
+    return tuple(version for p in _fsdp_params(units)
+                 for version in (p.sharded_param._version, p.sharded_param._local_tensor._version))
 
 
 def secondary_bytes_held(units: Iterable[FSDPModule]) -> int:

@@ -42,6 +42,7 @@ from zeropp.fsdp.access import (
     unsharded_bytes_held,
 )
 from zeropp.setup.topology import Topology
+from zeropp.techniques.deltas import weight_deltas_of
 
 GENERATION_COPIES = ("node", "full")
 """What ``generation_mode`` keeps between forwards: hpZ's secondary partition inside the node
@@ -259,11 +260,20 @@ def generation_mode(model: nn.Module, copy: str = "node") -> Iterator[None]:
     can have changed: an optimizer step, a load, any in-place edit (each bumps a primary shard's
     version counter, checked before every forward), a training (grad-enabled) forward, which
     runs as hpZ always does; and when the context exits, which frees it. Needs a model sharded
-    with hpZ (``hpz_partition_size > 1``): without hpZ FSDP2 keeps no copy to reuse.
+    with hpZ (``hpz_partition_size > 1``): without hpZ FSDP2 keeps no copy to reuse. With
+    ``weight_deltas`` every forward gathers from the node copy kept between steps already, with
+    nothing sent across nodes until the next step: ``copy="node"`` has nothing to add (and
+    ``copy="full"`` is refused: the node copy is what serves the forwards).
     """
     if copy not in GENERATION_COPIES:
         raise ValueError(f"generation_mode copy={copy!r} is not one of {GENERATION_COPIES}")
     copies = _COPIES.get(model)
+    if copies is None and weight_deltas_of(model) is not None:
+        if copy != "node":
+            raise ValueError(f"generation_mode(copy={copy!r}) on a model with weight_deltas: its node copy, kept "
+                             "between steps, serves every forward inside the node already; use copy='node'")
+        yield  # nothing crosses nodes until the next step
+        return
     if copies is None:
         raise ValueError(f"generation_mode needs a model sharded with hpZ (zeropp.shard or zeropp.enable with "
                          f"hpz_partition_size > 1); {type(model).__name__} keeps no secondary copy to reuse")

@@ -157,6 +157,12 @@ MODES: dict[str, Mode] = {mode.name: mode for mode in (
     Mode(name="qwz_qgz", summary="qwZ and qgZ without hpZ (what expert parallel and 2-D meshes take)",
          options=_ALL),
     Mode(name="all", summary="qwZ + hpZ + qgZ", options=_ALL, hpz=True),
+    Mode(name="all_delta", summary="all three, hpZ's node copy kept from step to step and refreshed by 4-bit weight "
+         "differences (every gather inside the node)", options={**_ALL, "weight_deltas": True}, hpz=True),
+    Mode(name="all_delta8", summary="all_delta with 8-bit weight differences",
+         options={**_ALL, "weight_deltas": True, "delta_bits": 8}, hpz=True),
+    Mode(name="hpz_delta", summary="hpZ with its node copy refreshed by 4-bit weight differences (no qwZ, no qgZ)",
+         options={"weight_deltas": True}, hpz=True),
     Mode(name="all_spare", summary="all three, qgZ sparing parameters under 1024 elements",
          options={**_ALL, **_SPARE_SMALL}, hpz=True),
     Mode(name="all_ef", summary="all three, qgZ with error feedback", options={**_ALL, "error_feedback": True},
