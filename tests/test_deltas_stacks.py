@@ -27,7 +27,7 @@ def _loop_job(rank: int, world_size: int, variant: str) -> dict:
         in_backward = zeropp.optimizer_in_backward(model, torch.optim.AdamW, lr=3e-3)
         optimizer = None
     else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, **({"fused": True} if variant == "fused" else {}))
         if variant == "optimizer on the host":
             optimizer = zeropp.offload_optimizer(optimizer)
     excesses, stale, losses, before = [], [], [], None
@@ -48,11 +48,12 @@ def _loop_job(rank: int, world_size: int, variant: str) -> dict:
     return {"excesses": excesses, "stale": stale, "losses": losses, "refreshes": _refreshes(model)}
 
 
-@pytest.mark.parametrize("variant", ["offload", "optimizer on the host", "optimizer in backward"])
+@pytest.mark.parametrize("variant", ["fused", "offload", "optimizer on the host", "optimizer in backward"])
 def test_the_copy_follows_every_way_a_step_runs(variant: str) -> None:
-    """Shards on the host (CPU offload), the optimizer on the host, the step inside backward: after
-    every step the next forward sends the differences and sees the weights within their bound,
-    never the last step's weights."""
+    """A fused AdamW (which writes DTensors without bumping their version counters), shards on the
+    host (CPU offload), the optimizer on the host, the step inside backward: after every step the
+    next forward sends the differences and sees the weights within their bound, never the last
+    step's weights."""
     for result in run_distributed(_loop_job, 4, variant, env=TWO_BY_TWO):
         assert max(result["excesses"]) <= 0, result["excesses"]
         assert not any(result["stale"])
@@ -92,3 +93,89 @@ def test_generation_gathers_inside_the_node_until_the_next_step() -> None:
     for result in run_distributed(_generation_job, 4, env=TWO_BY_TWO):
         assert result["same"] and result["calls"] > 0 and result["cross_node"] == 0
         assert "copy='node'" in result["refused"]
+
+
+def _counts(model: torch.nn.Module) -> dict[int, int]:
+    """The units' forward gathers by what they did to the rows, summed."""
+    total = {0: 0, DIFFERENCE: 0, WHOLE: 0}
+    for counts in _refreshes(model):
+        for kind, count in counts.items():
+            total[kind] += count
+    return total
+
+
+def _trainer_job(rank: int, world_size: int, out: str) -> dict:
+    """HF Trainer with all three and weight differences, saving every 3 steps as its default
+    strategy does (every ``save_steps``), then a second Trainer resuming from the checkpoint."""
+    from transformers import TrainingArguments
+
+    from test_hf import STEPS as TRAINER_STEPS
+    from test_hf import Sequences, tiny_llama
+    from zeropp.hf import ZeroPPTrainer
+
+    config = zeropp.ZeroPPConfig(**ALL_DELTA)
+    runs = {}
+    for name, resume in (("uninterrupted", None), ("resumed", f"{out}/uninterrupted/checkpoint-3")):
+        model = tiny_llama(False)
+        args = TrainingArguments(output_dir=f"{out}/{name}", per_device_train_batch_size=2, max_steps=TRAINER_STEPS,
+                                 learning_rate=3e-3, lr_scheduler_type="constant", logging_steps=1, save_steps=3,
+                                 report_to=[], use_cpu=True, seed=0, dataloader_drop_last=True, disable_tqdm=True)
+        trainer = ZeroPPTrainer(model, args=args, train_dataset=Sequences(), zeropp_config=config)
+        trainer.train(resume_from_checkpoint=resume)
+        runs[name] = {"losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+                      "counts": _counts(model)}
+    return runs
+
+
+def test_hf_trainer_trains_saves_and_resumes_with_weight_differences(tmp_path) -> None:
+    """The resumed Trainer rebuilds the copy whole from the loaded weights (it is never saved):
+    its losses are the uninterrupted run's up to the differences' rounding, which the
+    uninterrupted run's copy carries and the rebuilt one does not."""
+    result = run_distributed(_trainer_job, 4, str(tmp_path), env=TWO_BY_TWO, timeout=300)[0]
+    whole, resumed = result["uninterrupted"], result["resumed"]
+    assert whole["counts"][WHOLE] == 3 and whole["counts"][DIFFERENCE] > 0  # one per unit: the first forward
+    assert resumed["counts"][WHOLE] == 3
+    # the resumed Trainer's log holds the checkpoint's first three entries, then its own
+    assert resumed["losses"][3:] == pytest.approx(whole["losses"][3:], rel=1e-3), (resumed["losses"], whole["losses"])
+    assert whole["losses"][-1] < whole["losses"][0]
+
+
+def _engine_job(rank: int, world_size: int, out: str) -> dict:
+    """zeropp.initialize with a DeepSpeed file asking for all three and weight differences
+    (``zero_optimization.zeropp.weight_deltas``): steps, a checkpoint, its load."""
+    from models import global_batch, rows
+
+    zero = {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
+            "zero_hpz_partition_size": 2, "zeropp": {"weight_deltas": True, "delta_bits": 8}}
+    engine, *_ = zeropp.initialize(model=make_model("gpt"), config={
+        "train_micro_batch_size_per_gpu": 2, "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}})
+    losses = []
+    for step in range(4):
+        x, y = (rows(t, rank, world_size) for t in global_batch(step, 2 * world_size))
+        loss = engine(x, y)[1]
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        if step == 1:
+            engine.save_checkpoint(out, tag="two")
+    before = _counts(engine.module)
+    engine.load_checkpoint(out, tag="two")
+    x, y = (rows(t, rank, world_size) for t in global_batch(2, 2 * world_size))
+    again = engine(x, y)[1].item()
+    after = _counts(engine.module)
+    bits = {comm.codec.segments[0].bits for comm in zeropp.techniques.deltas.weight_deltas_of(engine.module).comms}
+    return {"losses": losses, "again": again, "whole_on_load": after[WHOLE] - before[WHOLE], "bits": bits,
+            "units": len(_refreshes(engine.module))}
+
+
+def test_the_engine_takes_weight_differences_from_its_deepspeed_file(tmp_path) -> None:
+    """The loaded checkpoint's forward refreshes every unit whole and gives step 3's loss again,
+    up to the 8-bit differences' rounding of the weights step 3 first saw."""
+    import zeropp.techniques.deltas  # noqa: F401
+
+    result = run_distributed(_engine_job, 4, str(tmp_path), env=TWO_BY_TWO)[0]
+    assert result["bits"] == {8}
+    assert result["whole_on_load"] == result["units"]
+    assert result["again"] == pytest.approx(result["losses"][2], rel=1e-4)
+    assert result["losses"][-1] < result["losses"][0]

@@ -50,7 +50,8 @@ AheadUnits = Callable[[], Sequence[tuple[CommGroup, Any]]]
 """A model's units gathered first in forward, each with its current all-gather comm."""
 
 _MODELS: weakref.WeakKeyDictionary[nn.Module, tuple[frozenset[int], AheadUnits]] = weakref.WeakKeyDictionary()
-_ON_STEP: weakref.WeakKeyDictionary[nn.Module, tuple[frozenset[int], Callable[[], None]]] = weakref.WeakKeyDictionary()
+_ON_STEP: weakref.WeakKeyDictionary[nn.Module, tuple[frozenset[int], Callable[[torch.optim.Optimizer], None]]] = \
+    weakref.WeakKeyDictionary()
 _STEPPED_IN_BACKWARD: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 _hook: Any = None
 logger = logging.getLogger(__name__)
@@ -66,10 +67,11 @@ def gather_after_step(model: nn.Module, units: AheadUnits | None) -> None:
     _install_hook()
 
 
-def on_step(model: nn.Module, callback: Callable[[], None]) -> None:
-    """Call ``callback`` right after every step of an optimizer holding ``model``'s parameters,
-    inside backward too (``zeropp.optimizer_in_backward``): the weights' differences
-    (``zeropp.techniques.deltas``) tell a step's changes from other edits so."""
+def on_step(model: nn.Module, callback: Callable[[torch.optim.Optimizer], None]) -> None:
+    """Call ``callback(optimizer)`` right after every step of an optimizer holding ``model``'s
+    parameters, inside backward too (``zeropp.optimizer_in_backward``): the weights' differences
+    (``zeropp.techniques.deltas``) learn of a step so, which its version counters may not show
+    (foreach and fused optimizers write DTensor parameters without bumping them)."""
     _ON_STEP[model] = (frozenset(id(p) for p in model.parameters()), callback)
     _install_hook()
 
@@ -111,7 +113,7 @@ def steps_in_backward(optimizer: torch.optim.Optimizer) -> None:
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     for param_ids, callback in list(_ON_STEP.values()):
         if _holds(optimizer, param_ids):
-            callback()
+            callback(optimizer)
     if in_backward() or optimizer in _STEPPED_IN_BACKWARD:
         return
     for model, (param_ids, units) in list(_MODELS.items()):

@@ -36,11 +36,19 @@ A refresh is a collective, so every rank of an inter-node group must take the sa
 what each rank sees (its shards' version counters) is its own: an empty shard of a small
 parameter may not move when the others do, and an edit may touch some ranks' shards only. So
 at every root forward each rank states, per unit, what its own chunk needs (nothing; a
-difference: its shards moved in an optimizer step and nothing else since; whole: its rows were
-never filled, its shards changed outside a step, a load, ``zeropp.refresh_weights``, the audit),
-and one all-reduce (max, a byte per unit) makes it every rank's. The unit's next forward gather
-carries it out; gradient accumulation's micro-batches and ``no_grad`` forwards between steps
-find nothing to do and send nothing across nodes.
+difference: an optimizer holding the unit's parameters stepped, and nothing else changed them
+since; whole: its rows were never filled, its shards changed outside a step, a load,
+``zeropp.refresh_weights``, the audit), and one all-reduce (max, a byte per unit) makes it every
+rank's. The unit's next forward gather carries it out; gradient accumulation's micro-batches and
+``no_grad`` forwards between steps find nothing to do and send nothing across nodes.
+
+A step is learnt of from the optimizer's step hook (``zeropp.fsdp.after_step.on_step``), not from
+the shards' version counters: a foreach or fused optimizer (AdamW's default on GPUs, HF
+Trainer's ``adamw_torch_fused``) writes DTensor parameters without bumping either counter
+(measured on torch 2.13: AdamW with ``foreach=True`` or ``fused=True`` leaves both at 0, the
+for-loop AdamW bumps the DTensor's). The counters still tell an edit outside a step (a load, an
+in-place change through ``model.parameters()``); an edit made with foreach ops is one they do
+not see, for which ``zeropp.refresh_weights`` exists.
 """
 
 from __future__ import annotations
@@ -56,7 +64,7 @@ from torch import nn
 
 from zeropp.codes.bounds import block_constant, coding_bound
 from zeropp.codes.codec import ChunkCodec, segments_for
-from zeropp.fsdp.access import AllGather, CommGroup, in_backward, shard_versions
+from zeropp.fsdp.access import AllGather, CommGroup, in_backward, shard_versions, unit_parameters
 from zeropp.fsdp.after_step import on_step
 from zeropp.fsdp.comms import Completion, DecodeOnWait, RecordedComm, Started, all_gather, all_reduce
 from zeropp.fsdp.ledger import CommLedger
@@ -95,6 +103,8 @@ class DeltaAllGather(RecordedComm, Auditable, AllGather):
                  ledger: CommLedger | None = None) -> None:
         super().__init__(topology, ledger)
         self.shard, self.unit, self.trainable = shard, unit, trainable
+        self.param_ids = frozenset(id(p) for p in unit_parameters(unit))
+        """The unit's parameters as an optimizer holds them (the primary shards)."""
         self.num_nodes, self.ranks_per_node = shard.placement.num_nodes, shard.placement.ranks_per_node
         self.group_size = self.num_nodes * self.ranks_per_node
         self.node_index = shard.inter_node_group.rank()
@@ -109,6 +119,8 @@ class DeltaAllGather(RecordedComm, Auditable, AllGather):
         """A full refresh asked for locally (nothing filled yet, a load, ``refresh_weights``, the audit)."""
         self.versions: tuple[int, ...] | None = None
         """The shards' versions when the rows were last decided on."""
+        self.stepped = False
+        """An optimizer holding the unit's parameters stepped since the last decision."""
         self.stepped_versions: tuple[int, ...] | None = None
         """The shards' versions right after the last optimizer step over them."""
         self.refreshes = {NOTHING: 0, DIFFERENCE: 0, WHOLE: 0}
@@ -130,16 +142,21 @@ class DeltaAllGather(RecordedComm, Auditable, AllGather):
     def local_need(self) -> int:
         """What this rank's own chunk needs before the next forward ([Note: one decision])."""
         versions = shard_versions([self.unit])
-        if self.forced or self.rows is None:
+        edited = versions != self.versions and versions != self.stepped_versions
+        if self.forced or self.rows is None or edited:
             need = WHOLE
-        elif versions == self.versions:
-            need = NOTHING
-        elif self.trainable and versions == self.stepped_versions:
+        elif self.stepped and self.trainable:
             need = DIFFERENCE
         else:
-            need = WHOLE
-        self.versions, self.forced = versions, False
+            need = NOTHING
+        self.versions, self.forced, self.stepped = versions, False, False
         return need
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer`` has stepped: if it holds the unit's parameters, their changes are a step's."""
+        if any(id(p) in self.param_ids for group in optimizer.param_groups for p in group["params"]):
+            self.stepped = True
+            self.stepped_versions = shard_versions([self.unit])
 
     def start(self, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool,
               output_tensor: torch.Tensor | None) -> Started:
@@ -268,10 +285,10 @@ class WeightDeltas:
         for comm, need in zip(self.comms, needs.tolist()):
             comm.pending = max(comm.pending, need)
 
-    def stepped(self) -> None:
-        """An optimizer over the model's parameters has stepped: what its shards are now."""
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer over some of the model's parameters has stepped."""
         for comm in self.comms:
-            comm.stepped_versions = shard_versions([comm.unit])
+            comm.after_step(optimizer)
 
     def force_whole(self) -> None:
         for comm in self.comms:
@@ -298,7 +315,7 @@ def keep_weight_deltas(model: nn.Module, comms: list[DeltaAllGather], topology: 
         model.register_forward_pre_hook(_decide, prepend=True)
         model.register_load_state_dict_pre_hook(_loading)
         reference = weakref.ref(model)
-        on_step(model, lambda: _stepped(reference))
+        on_step(model, lambda optimizer: _stepped(reference, optimizer))
 
 
 def _decide(model: nn.Module, _: object) -> None:
@@ -309,10 +326,10 @@ def _loading(model: nn.Module, *_: object) -> None:
     _MODELS[model].force_whole()
 
 
-def _stepped(reference: weakref.ref[nn.Module]) -> None:
+def _stepped(reference: weakref.ref[nn.Module], optimizer: torch.optim.Optimizer) -> None:
     model = reference()
     if model is not None and model in _MODELS:
-        _MODELS[model].stepped()
+        _MODELS[model].after_step(optimizer)
 
 
 def weight_deltas_of(model: nn.Module) -> WeightDeltas | None:
