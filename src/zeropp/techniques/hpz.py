@@ -41,6 +41,7 @@ from zeropp.fsdp.access import (
     unit_layout,
     unsharded_bytes_held,
 )
+from zeropp.fsdp.after_step import on_step
 from zeropp.setup.topology import Topology
 from zeropp.techniques.deltas import weight_deltas_of
 
@@ -110,6 +111,11 @@ class SecondaryCopies:
 
     def _reusable(self) -> bool:
         return self._versions is not None and self._versions == shard_versions(self.units)
+
+    def forget(self) -> None:
+        """The weights changed where the version counters may not show it (an optimizer step):
+        the next ``no_grad`` forward fills the copies again."""
+        self._versions = None
 
     def drop(self) -> None:
         drop_secondary_copies(self.units)
@@ -240,6 +246,17 @@ def keep_secondary_copies_fresh(model: nn.Module) -> None:
     model.register_forward_pre_hook(lambda *_: copies.before_forward(), prepend=True)
     model.register_forward_hook(lambda *_: copies.after_forward())
     model.register_load_state_dict_pre_hook(lambda *_: copies.drop())
+    reference = weakref.ref(model)
+    on_step(model, lambda _: _stepped(reference))
+
+
+def _stepped(reference: weakref.ref[nn.Module]) -> None:
+    """An optimizer over the model's parameters stepped: no copy made before may be reused. A
+    foreach or fused optimizer (the default on GPUs) bumps no version counter of the DTensors it
+    writes, so the versions alone would not tell (``zeropp.techniques.deltas``' [Note: one decision])."""
+    model = reference()
+    if model is not None and (copies := _COPIES.get(model)) is not None:
+        copies.forget()
 
 
 @contextmanager
@@ -257,8 +274,9 @@ def generation_mode(model: nn.Module, copy: str = "node") -> Iterator[None]:
       of every parameter after every forward), for models whose weights fit on a rank.
 
     The copy is dropped, and the next forward gathers across nodes again, the moment the weights
-    can have changed: an optimizer step, a load, any in-place edit (each bumps a primary shard's
-    version counter, checked before every forward), a training (grad-enabled) forward, which
+    can have changed: an optimizer step (its step hook; a foreach or fused one bumps no version
+    counter), a load, any in-place edit (each bumps a primary shard's version counter, checked
+    before every forward), a training (grad-enabled) forward, which
     runs as hpZ always does; and when the context exits, which frees it. Needs a model sharded
     with hpZ (``hpz_partition_size > 1``): without hpZ FSDP2 keeps no copy to reuse. With
     ``weight_deltas`` every forward gathers from the node copy kept between steps already, with
