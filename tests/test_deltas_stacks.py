@@ -179,3 +179,56 @@ def test_the_engine_takes_weight_differences_from_its_deepspeed_file(tmp_path) -
     assert result["whole_on_load"] == result["units"]
     assert result["again"] == pytest.approx(result["losses"][2], rel=1e-4)
     assert result["losses"][-1] < result["losses"][0]
+
+
+def _accelerate_job(rank: int, world_size: int, out: str) -> dict:
+    """accelerate's own loop as its docs write it (a plain ``Accelerator()``) on a model with all
+    three and weight differences: steps, ``save_state``, a step, ``load_state``, the step again."""
+    from accelerate import Accelerator
+
+    from test_accelerate import _model, _rows
+
+    model = zeropp.shard(_model(), zeropp.ZeroPPConfig(**ALL_DELTA))
+    accelerator = Accelerator(cpu=True)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
+    batches = _rows(4 * 2 * 5, 1).view(5, 4, 2, -1)[:, rank]
+
+    def step(batch: torch.Tensor) -> float:
+        loss = model(input_ids=batch, labels=batch).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.item()
+
+    losses = [step(batches[i]) for i in range(3)]
+    accelerator.save_state(f"{out}/state")
+    losses.append(step(batches[3]))
+    before = _counts(model)
+    accelerator.load_state(f"{out}/state")
+    again = step(batches[3])
+    return {"losses": losses, "again": again, "whole_on_load": _counts(model)[WHOLE] - before[WHOLE],
+            "units": len(_refreshes(model))}
+
+
+def test_accelerate_saves_and_loads_a_model_with_weight_differences(tmp_path) -> None:
+    """``load_state`` loads the weights the copy is rebuilt from: the next forward refreshes every
+    unit whole, and the step after the save gives its loss again up to the differences' rounding."""
+    for result in run_distributed(_accelerate_job, 4, str(tmp_path), env=TWO_BY_TWO, timeout=300):
+        assert result["whole_on_load"] == result["units"]
+        assert result["again"] == pytest.approx(result["losses"][3], rel=1e-3)
+
+
+def _torchtitan_job(rank: int, world_size: int) -> dict:
+    import test_torchtitan
+
+    test_torchtitan.MODES["all_delta"] = zeropp.ZeroPPConfig(**ALL_DELTA)
+    return {mode: test_torchtitan._train(mode, rank, world_size)["losses"] for mode in ("all", "all_delta")}
+
+
+def test_torchtitan_trains_with_weight_differences() -> None:
+    """torchtitan's llama3 debug model through its own parallelize and optimizer container, with
+    ``with_zeropp``'s weight differences: its losses those of all three without them, to the
+    differences' rounding of the forward's weights (INT8 under qwZ alone)."""
+    pytest.importorskip("torchtitan")
+    result = run_distributed(_torchtitan_job, 4, env=TWO_BY_TWO, timeout=300)[0]
+    assert result["all_delta"] == pytest.approx(result["all"], rel=2e-3), result

@@ -151,8 +151,9 @@ def _stale_worker(rank: int, world_size: int, copy: str) -> dict:
 @pytest.mark.parametrize("copy", ["node", pytest.param("full", marks=pytest.mark.slow)])
 def test_generation_mode_is_never_stale_and_frees_its_copy(copy: str) -> None:
     """Inside generation_mode, between no_grad forwards: an optimizer step (a foreach one, which
-    bumps no version counter of the DTensors it writes), a DCP load, an in-place edit and a training forward each make the next forward gather across nodes again
-    and compute exactly what the unsharded model with the same weights computes; a forward with
+    bumps no version counter of the DTensors it writes), a DCP load, an in-place edit and a
+    training forward each make the next forward gather across nodes again and compute exactly
+    what the unsharded model with the same weights computes; a forward with
     nothing changed gathers inside the node only (``copy="node"``) or nothing at all (``"full"``).
     The copy held is the documented parameters x bytes / ranks per node (or x bytes, whole),
     and leaving the context frees it."""
