@@ -232,3 +232,45 @@ def test_torchtitan_trains_with_weight_differences() -> None:
     pytest.importorskip("torchtitan")
     result = run_distributed(_torchtitan_job, 4, env=TWO_BY_TWO, timeout=300)[0]
     assert result["all_delta"] == pytest.approx(result["all"], rel=2e-3), result
+
+
+def _tensor_parallel_job(rank: int, world_size: int) -> dict:
+    """Tensor parallel 2 inside the node x FSDP over 4 ranks (2 on each node), as torchtitan
+    builds it: FSDP2 alone, then with weight differences on the data-parallel sub-mesh."""
+    from test_meshes import _loss, _sharded
+
+    out = {}
+    for name, options in (("fsdp2", None), ("deltas", {"weight_deltas": True, "hpz_partition_size": 2})):
+        model, dp_rank = _sharded("tp", 2, options)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        zeropp.comm_ledger().reset()
+        losses = []
+        for _ in range(4):
+            loss = _loss(model, dp_rank)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        gathers = zeropp.comm_ledger().summary(op="all_gather")["by_technique"]
+        out[name] = {"losses": losses, "gathers": {k: v["cross_node_bytes"] for k, v in gathers.items()}}
+        if options is not None:
+            out["counts"] = _counts(model)
+            out["checksums"] = zeropp.techniques.deltas.copy_checksums(model)
+    return out
+
+
+def test_tensor_parallel_units_keep_their_copy_over_their_data_parallel_ranks() -> None:
+    """On 2 nodes x 4 ranks, TP 2 x FSDP 4: each unit's copy lives on the 2 ranks of its
+    data-parallel group in a node; its first forward is FSDP2's bit for bit (a full refresh),
+    the later ones within the differences' rounding; only differences and the first refresh
+    cross nodes; the peers' copies are the same (ranks 0 and 4, 1 and 5, ... hold the same rows)."""
+    import zeropp.techniques.deltas  # noqa: F401
+
+    results = run_distributed(_tensor_parallel_job, 8, env={"ZEROPP_RANKS_PER_NODE": "4"}, timeout=300)
+    for rank, result in enumerate(results):
+        assert result["deltas"]["losses"][0] == result["fsdp2"]["losses"][0]
+        assert result["deltas"]["losses"] == pytest.approx(result["fsdp2"]["losses"], rel=1e-3)
+        assert set(result["deltas"]["gathers"]) == {"hpZ", "refresh", "deltas"}, result["deltas"]["gathers"]
+        assert result["deltas"]["gathers"]["hpZ"] == 0
+        assert result["counts"][WHOLE] > 0 and result["counts"][DIFFERENCE] == 3 * result["counts"][WHOLE]
+        assert result["checksums"] == results[(rank + 4) % 8]["checksums"]

@@ -235,11 +235,6 @@ def _scalar_bytes(model: nn.Module) -> list[int]:
 def _model_refusals(model: nn.Module, config: ZeroPPConfig, topology: Topology) -> list[str]:
     """The checks that need the model and the topology but no unit: hpZ's size, the name patterns."""
     refusals = _refused(check_hpz, config.hpz_partition_size, topology, config.key_of("hpz_partition_size"))
-    hpz_key = config.key_of("hpz_partition_size")
-    if config.weight_deltas and config.hpz_partition_size != topology.ranks_per_node and not refusals:
-        refusals.append(f"{config.key_of('weight_deltas')}=true keeps the node copy over each whole node, but "
-                        f"{hpz_key}={config.hpz_partition_size} splits the {topology.ranks_per_node} ranks of a node: "
-                        f"set {hpz_key}={topology.ranks_per_node}")
     names = [name for name, _ in model.named_parameters()]
     for key in ("unquantized_parameters", "grad_full_precision_parameters"):
         for pattern in getattr(config, key):
@@ -333,7 +328,7 @@ def _unit_refusals(name: str, layout: UnitLayout, ranks: Sequence[int], replicas
             "it with fully_shard(module, mesh=<(replicate, shard) mesh>) or leave the option off")
     hpz, hpz_key = config.hpz_partition_size, config.key_of("hpz_partition_size")
     if config.weight_deltas:
-        refusals += _deltas_refusals(name, layout, replicas, config)
+        refusals += _deltas_refusals(name, layout, replicas, config, topology)
     if hpz > 1 and not on_world:
         refusals += _hpz_on_2d_mesh(config, topology, name, ranks, layout.shard_group_size)
     if hpz > 1 and layout.post_forward_group_size not in (hpz, layout.shard_group_size):
@@ -345,11 +340,15 @@ def _unit_refusals(name: str, layout: UnitLayout, ranks: Sequence[int], replicas
     return refusals
 
 
-def _deltas_refusals(name: str, layout: UnitLayout, replicas: Sequence[int] | None, config: ZeroPPConfig
-                     ) -> list[str]:
+def _deltas_refusals(name: str, layout: UnitLayout, replicas: Sequence[int] | None, config: ZeroPPConfig,
+                     topology: Topology) -> list[str]:
     """Where a unit cannot keep its node copy from step to step ([Note: weight differences] in
-    ``zeropp.techniques.deltas``), each naming why and what works instead."""
-    key = config.key_of("weight_deltas")
+    ``zeropp.techniques.deltas``), each naming why and what works instead. (On a 2-D mesh hpZ's
+    own refusal asks for its size to be the unit's ranks per node.)"""
+    key, hpz_key = config.key_of("weight_deltas"), config.key_of("hpz_partition_size")
+    if layout.shard_group_size == topology.world_size and config.hpz_partition_size != topology.ranks_per_node:
+        return [f"{key}=true keeps the node copy over each whole node, but {hpz_key}={config.hpz_partition_size} "
+                f"splits the {topology.ranks_per_node} ranks of a node: set {hpz_key}={topology.ranks_per_node}"]
     if replicas is not None:
         return [f"{key}=true refreshes a copy of the weights each node holds, but {name} is sharded HSDP style "
                 "(replicated across nodes, sharded inside one): its gathers never cross nodes, so there is no "
