@@ -110,6 +110,7 @@ from zeropp.tools.plan.traffic import (
     gathered_quantized,
     keeps_codes,
     keeps_secondary_copy,
+    keeps_weight_deltas,
     offloads_optimizer,
     offloads_shards,
     padded_numels,
@@ -132,7 +133,7 @@ class RankMemory:
     gradients: float
     """Sharded gradients so far, and the unsharded gradients of the unit in backward."""
     secondary_copy: float
-    """hpZ's secondary copies held."""
+    """hpZ's secondary copies held (with ``weight_deltas``, the node copy kept from step to step)."""
     gathered: float
     """Unsharded weights and the all-gathers' buffers and payloads."""
     reduce_buffers: float
@@ -192,6 +193,8 @@ class UnitBytes:
     later: float = 0.0
     """With ``overlap``: what it holds through the backward of the unit after that (the
     replicas' all-gather across nodes)."""
+    node_copy: float = 0.0
+    """``weight_deltas``: the unit's rows of its node copy, held the whole step (and between steps)."""
 
     @property
     def has_parameters(self) -> bool:
@@ -203,6 +206,21 @@ def local_rows(rows: int, shard_size: int, rank: int) -> int:
     of ceil(rows / shard_size) rows, the last ones short or empty."""
     chunk = math.ceil(rows / shard_size)
     return max(0, min(chunk, rows - rank * chunk))
+
+
+def _delta_gather_bytes(padded: list[int], config: ZeroPPConfig, shard: Topology, gather_dtype: torch.dtype,
+                        refresh: bool) -> float:
+    """What a gather from the node copy holds while its collectives run: FSDP2's flat output and
+    the node's rows gathered before they are put in chunk order (each the whole unit); in a
+    forward that adds a step's differences, this rank's chunk of them in fp32, its code, every
+    node's code and their N chunks decoded in fp32."""
+    whole = sum(padded) * gather_dtype.itemsize
+    if not refresh:
+        return 2 * whole
+    chunk = sum(padded) // shard.world_size
+    payload = payload_bytes(segments_for(padded, [True] * len(padded), shard.world_size, config.delta_bits),
+                            config.deltas_block_size, torch.float32)
+    return 2 * whole + (1 + shard.num_nodes) * (chunk * 4 + payload)
 
 
 def _gather_bytes(padded: list[int], quantize: list[bool], group: int, config: ZeroPPConfig | None,
@@ -351,6 +369,14 @@ def _part_bytes(unit: UnitShape, shard: Topology, index: int, model: ModelShape,
         elif config.quantized_gradients:
             late = _qgz_late_bytes(trainable, config, shard)
     copy_in = sum(padded) / shard_size * gather_dtype.itemsize if offloads_shards(config) else 0.0
+    deltas = keeps_weight_deltas(config, shard)
+    if deltas:
+        forward_gather = _delta_gather_bytes(padded, config, shard, gather_dtype, any(unit.trainable))
+        backward_gather = _delta_gather_bytes(padded, config, shard, gather_dtype, False)
+    else:
+        forward_gather = _gather_bytes(padded, quantize, shard_size, config, gather_dtype) if padded else 0.0
+        backward_gather = _gather_bytes(padded, backward_quantize, backward_group, config, gather_dtype) \
+            if padded else 0.0
     return UnitBytes(
         name=unit.name,
         shard=sum(padded) / shard_size * PARAMETER_BYTES,
@@ -358,10 +384,9 @@ def _part_bytes(unit: UnitShape, shard: Topology, index: int, model: ModelShape,
         gradient=sum(trainable) / shard_size * reduce_size,
         whole=sum(padded) * gather_dtype.itemsize,
         whole_gradients=whole_gradients,
-        secondary=secondary_copy_bytes(unit, config, topology, precision),
-        gather_forward=_gather_bytes(padded, quantize, shard_size, config, gather_dtype) if padded else 0.0,
-        gather_backward=_gather_bytes(padded, backward_quantize, backward_group, config, gather_dtype)
-        if padded else 0.0,
+        secondary=0.0 if deltas else secondary_copy_bytes(unit, config, topology, precision),
+        gather_forward=forward_gather,
+        gather_backward=backward_gather,
         reduce_input=sum(trainable) * reduce_size,
         reducing=reducing,
         held_gradients=whole_gradients if unit.is_single_layer else 0.0,
@@ -371,9 +396,10 @@ def _part_bytes(unit: UnitShape, shard: Topology, index: int, model: ModelShape,
         loss_gradients=8 * sequences * context * model.vocab_size // degree if last else 0.0,
         largest_local=max((n for n, t in zip(local, unit.trainable) if t), default=0) * PARAMETER_BYTES,
         copy_in=copy_in,
-        copy_in_backward=copy_in if backward_gathers_from_shard(config, topology) else 0.0,
+        copy_in_backward=copy_in if backward_gathers_from_shard(config, topology) and not deltas else 0.0,
         late=late,
         later=later,
+        node_copy=sum(padded) / shard.ranks_per_node * gather_dtype.itemsize if deltas else 0.0,
     )
 
 
@@ -489,6 +515,7 @@ def rank_memory(model: ModelShape, config: ZeroPPConfig | None, topology: Topolo
     blocks = [u for u in blocks if u.has_parameters]
     timeline = _Timeline(sum(u.shard for u in units), sum(u.optimizer for u in units), config)
     held = timeline.held
+    held["secondary_copy"] += sum(u.node_copy for u in units)  # weight_deltas: held from step to step
     ahead = FORWARD_AHEAD if config is not None and config.overlap else 0
     started = sum(u.gather_forward for u in blocks[:ahead])  # with overlap, since the last step ended
     if root.has_parameters:  # gathered first, whole until the end of backward, its gradients from the loss on

@@ -21,6 +21,12 @@ rank's chunk of a unit is the sum of ``ceil(d0 / G) * rest`` over its parameters
   with qwZ as the payload rows the copy is kept as (each rank's world rows of the forward gather,
   [Note: hpZ's copy as qwZ's codes] in ``zeropp.techniques.hpz``). A partition of the whole world (one node)
   keeps no copy (``zeropp.setup.topology``'s [Note: one node mesh]): the step is the mode's without hpZ.
+- Weight differences (``weight_deltas``, [Note: weight differences] in ``zeropp.techniques.deltas``):
+  each gather, forward and backward, takes the node's rows of the unit's copy inside the node
+  (N chunks a rank, in the gather dtype); a trainable unit's forward first all-gathers each
+  rank's chunk of differences, coded, over its peers of its local index on the other nodes;
+  one all-reduce of a byte per unit a forward decides, on every rank, what each unit does. A
+  step here is one after the first (the first, and a full refresh, send the chunk whole).
 - qgZ: the reduce-scatter becomes two all-to-alls over the shard group as placed on nodes; a
   rank sends each node peer the N chunks it owes that peer's local index, then each remote node
   one chunk, never its own rows (one hop where the group has one node or one rank per node).
@@ -228,8 +234,40 @@ def backward_gathers_from_shard(config: ZeroPPConfig | None, topology: Topology)
     return not keeps_secondary_copy(config, topology)
 
 
+def keeps_weight_deltas(config: ZeroPPConfig | None, shard: Topology) -> bool:
+    """Whether a unit sharded over ``shard`` keeps its copy from step to step (``weight_deltas``):
+    its shard group spans several nodes."""
+    return config is not None and config.weight_deltas and shard.num_nodes > 1
+
+
+def delta_payload(unit: UnitShape, padded: list[int], config: ZeroPPConfig, group_size: int) -> int:
+    """Bytes of one rank's chunk of coded differences (fp32 differences, ``delta_bits`` codes)."""
+    segments = segments_for(padded, [True] * len(padded), group_size, config.delta_bits)
+    return payload_bytes(segments, config.deltas_block_size, torch.float32)
+
+
+def _delta_gathers(unit: UnitShape, padded: list[int], config: ZeroPPConfig, topology: Topology, shard: Topology,
+                   precision: Precision) -> list[Transfer]:
+    """A unit's gathers from its node copy, and its differences' all-gather across nodes."""
+    nodes, per_node = shard.num_nodes, shard.ranks_per_node
+    chunk = sum(padded) // shard.world_size
+    found = []
+    if any(unit.trainable):
+        found.append(Transfer(Op.ALL_GATHER, GroupKind.INTER, nodes, delta_payload(unit, padded, config,
+                                                                                  shard.world_size),
+                              "forward", "deltas", f"int{config.delta_bits}", (1 + nodes) * chunk,
+                              span=0 if nodes == topology.num_nodes else nodes))
+    if per_node > 1:
+        rows = nodes * chunk * precision.gather_dtype.itemsize
+        found += [Transfer(Op.ALL_GATHER, GroupKind.INTRA, per_node, rows, phase, "hpZ",
+                           _dtype_name(precision.gather_dtype)) for phase in ("forward", "backward")]
+    return found
+
+
 def _gathers(unit: UnitShape, padded: list[int], config: ZeroPPConfig, topology: Topology, shard: Topology,
              precision: Precision) -> list[Transfer]:
+    if keeps_weight_deltas(config, shard):
+        return _delta_gathers(unit, padded, config, topology, shard, precision)
     size, itemsize = shard.world_size, precision.gather_dtype.itemsize  # the world in 1-D
     quantized, sent = _quantized(unit, config), gathered_quantized(unit, config, topology, shard)
     if any(sent):
@@ -350,6 +388,11 @@ def step_transfers(model: ModelShape, config: ZeroPPConfig | None, topology: Top
     if model.num_trainable_scalars and topology.world_size > 1:
         per_unit.append([Transfer(Op.ALL_REDUCE, GroupKind.WORLD, topology.world_size, 4, "backward", "scalars",
                                   "float32")] * model.num_trainable_scalars)
+    copies = sum(keeps_weight_deltas(config, shard) for unit in layout.local_units(model)
+                 for part, shard in layout.parts(unit, topology) if part.shapes)
+    if copies:  # [Note: one decision]: a byte per unit keeping a copy, every forward
+        per_unit.append([Transfer(Op.ALL_REDUCE, GroupKind.WORLD, topology.world_size, copies, "forward", "deltas",
+                                  "uint8", background=True)])
     return per_unit
 
 
