@@ -114,6 +114,31 @@ def _float8(data: dict[str, Any]) -> str:
             f"alone ({every / 1e6:.1f} MB against {alone / 1e6:.1f} a step)")
 
 
+def _deltas_step(data: dict[str, Any]) -> str:
+    at = {mode: _record(data, mode, "100mbit") for mode in ("zero3", "all", "all_delta")}
+    unlimited = _record(data, "all_delta", "unlimited")
+    wire = at["all_delta"]["cross_node_bytes_wire"] / at["all"]["cross_node_bytes_wire"]
+    return (f"all three with weight differences **{at['all_delta']['ratio_vs_zero3']:.3f}x** ZeRO-3's step "
+            f"({at['all_delta']['median_step_s']:.2f} s; all three {at['all']['median_step_s']:.2f} s), "
+            f"{at['all_delta']['median_step_s'] / unlimited['median_step_s']:.2f}x its no-limit step; cross-node "
+            f"bytes on the wire **{wire:.2f}x** all three's ({at['all_delta']['cross_node_bytes_wire'] / 1e6:.1f} MB "
+            f"against {at['all']['cross_node_bytes_wire'] / 1e6:.1f})")
+
+
+def _deltas_ranks(data: dict[str, Any]) -> str:
+    rows = [r for r in data["rows"] if r["mode"] == "all_delta" and r["dtype"] == "bfloat16"]
+    return ", ".join(f"{r['vs_all']:.2f}x at {r['world_size'] // data['ranks_per_node']} x "
+                     f"{data['ranks_per_node']}" for r in sorted(rows, key=lambda r: r["world_size"])) + \
+        " (bf16 gathers; the ledger of one real rank on the fake process group)"
+
+
+def _deltas_memory(data: dict[str, Any]) -> str:
+    peaks = {r["mode"]: r["peak_bytes"] for r in data["records"] if r["rank"] == 0 and r.get("peak_bytes")}
+    return (f"all three with weight differences **{peaks['all_delta'] / peaks['hpz']:.3f}x** hpZ's peak (its copy "
+            f"held decoded), all three {peaks['all'] / peaks['hpz']:.3f}x, all three with hpZ's copy decoded "
+            f"{peaks['all_decoded_copy'] / peaks['hpz']:.3f}x")
+
+
 def _layout(name: str) -> Callable[[dict[str, Any]], str]:
     def figure(data: dict[str, Any]) -> str:
         rows = {r["system"]: r for r in data["rows"] if r["layout"] == name and r["bandwidth"] == "100mbit"}
@@ -130,6 +155,17 @@ ROWS = (
         _step_at("unlimited"), "[cluster](docs/results.md#emulated-2-node-x-2-rank-cluster-gpt-253m-parameters-gloo)"),
     Row("cross-node bytes per step", "bench_step.json", "zeropp bench step --param-dtype float32", _cross_node,
         "[cluster](docs/results.md#emulated-2-node-x-2-rank-cluster-gpt-253m-parameters-gloo)"),
+    Row("weight differences (`weight_deltas`), 100 Mbit/s", "bench_step_deltas/bench_step.json",
+        "zeropp bench step --param-dtype float32 --modes zero3,hsdp,all,all_delta,hsdp_quantized,deepspeed "
+        "--bandwidths unlimited,100mbit --out benchmarks/results/bench_step_deltas", _deltas_step,
+        "[weight differences](docs/results.md#weight-differences-over-the-node-copy)"),
+    Row("weight differences' cross-node bytes per step against all three's, larger jobs", "deltas_bytes.json",
+        "python benchmarks/deltas_bytes.py --out benchmarks/results/deltas_bytes.json", _deltas_ranks,
+        "[weight differences](docs/results.md#weight-differences-over-the-node-copy)"),
+    Row("weight differences' memory, one rank of a 64-rank Llama-3-8B job", "bench_scale_deltas/bench_scale.json",
+        "zeropp bench scale --modes hpz,all,all_decoded_copy,all_delta --world-sizes 64 --no-full --out "
+        "benchmarks/results/bench_scale_deltas", _deltas_memory,
+        "[weight differences](docs/results.md#weight-differences-over-the-node-copy)"),
     Row("accuracy: SmolLM2-135M fully fine-tuned, 30 steps, 2 x 2 ranks", "accuracy_pretrained/verdict.json",
         "nice -n 19 zeropp accuracy --pretrained", _accuracy, "[accuracy](#accuracy)"),
     Row("the live audit (`audit_every=100`)", "audit_cost/bench_step.json",
