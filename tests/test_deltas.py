@@ -334,3 +334,14 @@ def test_where_the_copy_cannot_live_it_is_refused_by_name() -> None:
     assert "HSDP" in first["HSDP"] and "quantized_replica_gradients" in first["HSDP"]
     assert "param_dtype" in first["mixed dtypes"]
     assert all(result == first for result in results)
+
+
+@pytest.mark.parametrize("ranks_per_node,num_nodes", [(2, 2), (3, 2), (2, 3), (4, 3), (8, 5), (1, 4), (4, 1)])
+def test_the_node_gather_is_put_in_chunk_order_in_place(ranks_per_node: int, num_nodes: int) -> None:
+    """Block d*N + n of the node gather (rank d's row n) ends at chunk n*D + d, in place."""
+    from zeropp.techniques.deltas import in_chunk_order
+
+    rows = torch.arange(ranks_per_node * num_nodes * 3, dtype=torch.float32).view(ranks_per_node, num_nodes, 3)
+    blocks = rows.reshape(-1, 3).clone()
+    in_chunk_order(blocks, ranks_per_node, num_nodes)
+    assert torch.equal(blocks.view(num_nodes, ranks_per_node, 3), rows.transpose(0, 1))

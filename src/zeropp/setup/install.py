@@ -106,7 +106,8 @@ def _comms(module: CommGroup, planned: UnitPlan, groups: ProcessGroups, config: 
     if planned.gathers == "deltas":
         all_gather = DeltaAllGather(topology, shard, module, layout.padded_numels,
                                     [dtype.is_floating_point for dtype in layout.gather_dtypes],
-                                    any(layout.trainable), bits=config.delta_bits, block_size=config.deltas_block_size)
+                                    any(layout.trainable), bits=config.delta_bits, block_size=config.deltas_block_size,
+                                    audited=config.audit_every > 0)
         keep_secondary_as_codes(module, None)
     elif planned.gathers == "qwZ":
         all_gather = QuantizedAllGather(

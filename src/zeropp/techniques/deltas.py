@@ -99,7 +99,7 @@ class DeltaAllGather(RecordedComm, Auditable, AllGather):
     technique = "deltas"
 
     def __init__(self, topology: Topology, shard: ShardGroups, unit: CommGroup, padded_numels: Sequence[int],
-                 floating: Sequence[bool], trainable: bool, *, bits: int, block_size: int,
+                 floating: Sequence[bool], trainable: bool, *, bits: int, block_size: int, audited: bool = False,
                  ledger: CommLedger | None = None) -> None:
         super().__init__(topology, ledger)
         self.shard, self.unit, self.trainable = shard, unit, trainable
@@ -110,6 +110,8 @@ class DeltaAllGather(RecordedComm, Auditable, AllGather):
         self.node_index = shard.inter_node_group.rank()
         """Which of ``rows`` is this rank's own chunk."""
         self.codec = delta_codec(padded_numels, floating, self.group_size, bits, block_size)
+        self.bits, self.audited = bits, audited
+        """``audited``: the audit may check the rows, so each difference's bound is kept for it."""
         self.rows: torch.Tensor | None = None
         """(N, chunk) in the gather dtype: chunk ``n*D + d`` of the unit for n = 0..N-1, d this
         rank's index in its node."""
@@ -127,7 +129,8 @@ class DeltaAllGather(RecordedComm, Auditable, AllGather):
         """Forward gathers by what they did to the rows first."""
         self.last_bound: torch.Tensor | None = None
         """Per element of this rank's own row: the bound of its last difference's code (fp32,
-        block-constant as ``zeropp.codes.bounds`` lays it out), plus the gather dtype's rounding."""
+        block-constant as ``zeropp.codes.bounds`` lays it out), plus the gather dtype's rounding;
+        kept only where ``audited`` (a chunk of fp32 per unit)."""
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False) -> dist.Work | None:
@@ -172,9 +175,9 @@ class DeltaAllGather(RecordedComm, Auditable, AllGather):
             self.refreshes[action] += 1
         if action != NOTHING:
             self.pending = NOTHING
-            work, complete = self._refresh(action, input_tensor, async_op)
+            work, complete = self._refresh(action, input_tensor, output_tensor, async_op)
         else:
-            work, complete = self._gather_rows(async_op)
+            work, complete = self._gather_rows(output_tensor, async_op)
         if request is not None:
             complete = complete.followed_by(lambda _: self._check(request, input_tensor))
         return work, complete
@@ -192,7 +195,8 @@ class DeltaAllGather(RecordedComm, Auditable, AllGather):
         if not request.record(self.technique, tally).within_bound:
             self.forced = True
 
-    def _refresh(self, action: int, input_tensor: torch.Tensor, async_op: bool) -> Started:
+    def _refresh(self, action: int, input_tensor: torch.Tensor, output_tensor: torch.Tensor, async_op: bool
+                 ) -> Started:
         """Bring the rows up to date across nodes (async if asked), then gather them in the node."""
         inter = self.shard.inter_node_group
         if action == WHOLE or self.rows is None:
@@ -208,52 +212,87 @@ class DeltaAllGather(RecordedComm, Auditable, AllGather):
             self.codec.encode(delta.view(1, -1), send)
             arrived = torch.empty((self.num_nodes, self.codec.nbytes), dtype=torch.uint8, device=send.device)
             work = all_gather(arrived.view(-1), send.view(-1), inter, self.recorder, self.technique,
-                              dtype=f"int{self.codec.segments[0].bits}", async_op=async_op)
+                              dtype=f"int{self.bits}", async_op=async_op)
             own = self.node_index
-            bound = coding_bound(self.codec, delta.view(1, -1))
+            bound = coding_bound(self.codec, delta.view(1, -1)) if self.audited else None
+            del delta
 
             def adopt() -> None:
                 self._apply(arrived)
-                self.last_bound = bound + block_constant(self.codec, _rounding(self.rows[own]).view(1, -1))
+                if bound is not None:
+                    self.last_bound = bound + block_constant(self.codec, _rounding(self.rows[own]).view(1, -1))
 
         if work is None:
             adopt()
-            return self._gather_rows(async_op)
+            return self._gather_rows(output_tensor, async_op)
         return work, Completion(arrived, lambda output: self._after(work, adopt, output))
 
     def _after(self, work: dist.Work, adopt: Callable[[], None], output: torch.Tensor) -> None:
         work.wait()
         adopt()
-        self._gather_rows(False)[1](output)
+        self._gather_rows(output, False)[1](output)
 
     def _apply(self, arrived: torch.Tensor) -> None:
-        """Add the N decoded differences to the rows, as every holder of them does."""
-        decoded = torch.empty((self.num_nodes, self.codec.numel), dtype=torch.float32, device=arrived.device)
-        self.codec.decode(arrived, decoded)
-        if self.rows.dtype == torch.float32:
-            self.rows += decoded
-        else:
-            self.rows.copy_(self.rows.float() + decoded)
+        """Add the N decoded differences to the rows, one row at a time (one chunk of fp32 held),
+        as every holder of them does."""
+        decoded = torch.empty((1, self.codec.numel), dtype=torch.float32, device=arrived.device)
+        for node, row in enumerate(self.rows):
+            self.codec.decode(arrived[node:node + 1], decoded)
+            if row.dtype == torch.float32:
+                row += decoded[0]
+            else:
+                row.copy_(row.float() + decoded[0])
 
-    def _gather_rows(self, async_op: bool) -> Started:
-        """The S chunks from the node's rows: rank d's row n is chunk n*D + d."""
+    def _gather_rows(self, output: torch.Tensor, async_op: bool) -> Started:
+        """The S chunks from the node's rows, gathered straight into FSDP2's output and put in chunk
+        order there: rank d's row n is chunk n*D + d ([Note: chunk order in place])."""
         rows = self.rows
-        gathered = rows.new_empty((self.ranks_per_node, self.num_nodes, rows.shape[1]))
         if self.ranks_per_node == 1:
-            gathered.copy_(rows.unsqueeze(0))
-            work = None
-        else:
-            work = all_gather(gathered.view(-1), rows.view(-1), self.shard.intra_node_group, self.recorder, "hpZ",
-                              async_op=async_op)
-
-        def in_chunk_order(output: torch.Tensor) -> None:
-            output.view(self.num_nodes, self.ranks_per_node, -1).copy_(gathered.transpose(0, 1))
-
-        return work, Completion(gathered, in_chunk_order)
+            output.view_as(rows).copy_(rows)
+            return None, Completion(rows, lambda _: None)
+        work = all_gather(output.view(-1), rows.view(-1), self.shard.intra_node_group, self.recorder, "hpZ",
+                          async_op=async_op)
+        return work, Completion(rows, lambda written: in_chunk_order(written.view(self.group_size, -1),
+                                                                     self.ranks_per_node, self.num_nodes))
 
     def copy_bytes(self) -> int:
         """Bytes of the rows held (0 before the first gather)."""
         return 0 if self.rows is None else self.rows.numel() * self.rows.element_size()
+
+
+def in_chunk_order(blocks: torch.Tensor, ranks_per_node: int, num_nodes: int) -> None:
+    """Reorder ``blocks`` (D*N, chunk) in place from the node gather's order (rank d's N rows,
+    d = 0..D-1) to chunk order (chunk n*D + d at n*D + d).
+
+    [Note: chunk order in place]
+    A node gather of the rows lands in rank order: block d*N + n is chunk n*D + d. Gathering
+    into a buffer and copying it over transposed would hold a second whole unit (the embedding
+    or the head of a large vocabulary: a gigabyte at Llama-3-8B's). The permutation is applied in
+    FSDP2's own output instead, cycle by cycle, holding one block: the same copies, one block of
+    memory."""
+    if ranks_per_node == 1 or num_nodes == 1:
+        return
+    count = ranks_per_node * num_nodes
+    done = [False] * count
+    for start in range(count):
+        if done[start]:
+            continue
+        done[start] = True
+        source = _source_of(start, ranks_per_node, num_nodes)
+        if source == start:
+            continue
+        held, place = blocks[start].clone(), start
+        while source != start:
+            blocks[place].copy_(blocks[source])
+            done[source] = True
+            place, source = source, _source_of(source, ranks_per_node, num_nodes)
+        blocks[place].copy_(held)
+
+
+def _source_of(target: int, ranks_per_node: int, num_nodes: int) -> int:
+    """Where the gather put the block that belongs at ``target`` (chunk n*D + d: rank d's row n)."""
+    node, local = divmod(target, ranks_per_node)
+    return local * num_nodes + node
 
 
 def _digest(rows: torch.Tensor) -> torch.Tensor:

@@ -210,17 +210,19 @@ def local_rows(rows: int, shard_size: int, rank: int) -> int:
 
 def _delta_gather_bytes(padded: list[int], config: ZeroPPConfig, shard: Topology, gather_dtype: torch.dtype,
                         refresh: bool) -> float:
-    """What a gather from the node copy holds while its collectives run: FSDP2's flat output and
-    the node's rows gathered before they are put in chunk order (each the whole unit); in a
-    forward that adds a step's differences, this rank's chunk of them in fp32, its code, every
-    node's code and their N chunks decoded in fp32."""
+    """What a gather from the node copy holds while its collectives run: FSDP2's flat output
+    (the node's rows are gathered into it, then put in chunk order holding one chunk: [Note:
+    chunk order in place] in ``zeropp.techniques.deltas``); in a forward that adds a step's
+    differences, this rank's chunk of them in fp32 while it is coded, its code, every node's code
+    and one decoded chunk in fp32 (the audit's bound, a chunk of fp32 per unit, aside)."""
     whole = sum(padded) * gather_dtype.itemsize
-    if not refresh:
-        return 2 * whole
     chunk = sum(padded) // shard.world_size
+    held = whole + chunk * gather_dtype.itemsize
+    if not refresh:
+        return held
     payload = payload_bytes(segments_for(padded, [True] * len(padded), shard.world_size, config.delta_bits),
                             config.deltas_block_size, torch.float32)
-    return 2 * whole + (1 + shard.num_nodes) * (chunk * 4 + payload)
+    return held + chunk * 4 + (1 + shard.num_nodes) * payload
 
 
 def _gather_bytes(padded: list[int], quantize: list[bool], group: int, config: ZeroPPConfig | None,
