@@ -1,6 +1,8 @@
 """One training step's bytes on one real rank of a large job, all three techniques with and without
-weight differences: the ledger's cross-node and total bytes of the step after the first (whose
-forward refreshed the node copy whole), on PyTorch's fake process group (a rank of N nodes x 8;
+weight differences (and with qwZ's two-hop gather, whose direct sends cross each node link
+(N - 1)/N times where the ring's cross it for every remote rank): the ledger's cross-node and total
+bytes of the step after the first (whose forward refreshed the node copy whole), on PyTorch's
+fake process group (a rank of N nodes x 8;
 groups, layouts and what each comm asks to send are the real rank's, no byte moves). The 25.3M
 GPT of ``zeropp bench step``, fp32 gathers as there, and a bf16 run beside it.
 
@@ -18,7 +20,7 @@ from pathlib import Path
 import torch
 
 RANKS_PER_NODE = 8
-MODES = ("all", "all_delta")
+MODES = ("all", "all_hier", "all_delta")
 
 
 def one_rank(world_size: int, mode: str, dtype: str, queue: multiprocessing.Queue) -> None:
