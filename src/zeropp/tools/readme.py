@@ -126,10 +126,13 @@ def _deltas_step(data: dict[str, Any]) -> str:
 
 
 def _deltas_ranks(data: dict[str, Any]) -> str:
-    rows = [r for r in data["rows"] if r["mode"] == "all_delta" and r["dtype"] == "bfloat16"]
-    return ", ".join(f"{r['vs_all']:.2f}x at {r['world_size'] // data['ranks_per_node']} x "
-                     f"{data['ranks_per_node']}" for r in sorted(rows, key=lambda r: r["world_size"])) + \
-        " (bf16 gathers; the ledger of one real rank on the fake process group)"
+    rows = {(r["world_size"], r["mode"]): r["cross_node_bytes"] for r in data["rows"] if r["dtype"] == "bfloat16"}
+    sizes = sorted({size for size, _ in rows})
+    per_node = data["ranks_per_node"]
+    return ", ".join(f"**{rows[(size, 'all_delta')] / rows[(size, 'all')]:.2f}x** all three's "
+                     f"({rows[(size, 'all_delta')] / rows[(size, 'all_hier')]:.2f}x with qwZ's two-hop gather) at "
+                     f"{size // per_node} x {per_node}" for size in sizes) + \
+        " (bf16 gathers; the ledger's direct sends of one real rank on the fake process group)"
 
 
 def _deltas_memory(data: dict[str, Any]) -> str:
