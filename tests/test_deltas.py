@@ -345,3 +345,42 @@ def test_the_node_gather_is_put_in_chunk_order_in_place(ranks_per_node: int, num
     blocks = rows.reshape(-1, 3).clone()
     in_chunk_order(blocks, ranks_per_node, num_nodes)
     assert torch.equal(blocks.view(num_nodes, ranks_per_node, 3), rows.transpose(0, 1))
+
+
+def _codes_job(rank: int, world_size: int, steps: int) -> dict:
+    """Weight differences over a copy kept as qwZ's INT8 codes: the copies' checksums after each
+    step, and each forward's weights against the master's within the difference's half step plus
+    INT8's half step of the value kept."""
+    from zeropp.techniques.deltas import held_copy_bytes
+
+    out = {}
+    for reference in ("weights", "codes"):
+        model = zeropp.shard(make_model("gpt"), _config(2, delta_reference=reference))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        checksums, excesses, before = [], [], None
+        for step in range(steps):
+            x, y = _batch(step, rank, world_size)
+            seen, masters = forward_weights(model, x, y), _masters(model)
+            if before is not None:
+                excesses.append(max(((seen[n] - m).abs() - shard_half_steps(m - before[n], world_size, QMAX[4])
+                                     - 1.01 * shard_half_steps(seen[n], world_size, 127) - 2.0**-21 * m.abs()
+                                     ).max().item() for n, m in masters.items()))
+            before = seen
+            model(x, y)[1].backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            checksums.append(copy_checksums(model))
+        out[reference] = {"checksums": checksums, "excesses": excesses, "held": held_copy_bytes(model)}
+    return out
+
+
+def test_a_copy_kept_as_codes_stays_the_same_on_every_node_within_int8_and_the_difference() -> None:
+    """``delta_reference="codes"``: a quarter of the fp32 copy's memory (INT8 codes and scales),
+    the same rows on every node after every step, the forward within both codes' half steps."""
+    steps = 5
+    results = run_distributed(_codes_job, 4, steps, env=TWO_BY_TWO)
+    for rank, result in enumerate(results):
+        codes = result["codes"]
+        assert max(codes["excesses"]) <= 0, codes["excesses"]
+        assert codes["checksums"] == results[rank % 2]["codes"]["checksums"]
+        assert 0.25 <= codes["held"] / result["weights"]["held"] <= 0.27

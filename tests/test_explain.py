@@ -54,6 +54,8 @@ CASES = {
                                                              "error_feedback": True, "grad_bits_intra": 8}),
     "1-D, ZeRO-3": ("1d", {}),
     "1-D, all three with weight differences": ("1d", {**ALL, "weight_deltas": True}),
+    "1-D, weight differences over a copy kept as codes": ("1d", {"hpz_partition_size": 2, "weight_deltas": True,
+                                                               "delta_reference": "codes"}),
     "tensor parallel 2 x FSDP, qwZ and qgZ": ("tp", {"quantized_weights": True, "quantized_gradients": True}),
     "HSDP, quantized replicas and qgZ": ("hsdp", {"quantized_gradients": True, "quantized_replica_gradients": True}),
 }

@@ -149,6 +149,7 @@ _ZEROPP_CHECKS: dict[str, Checker] = {
                      "weight_deltas"),
                     _BOOL),
     "delta_bits": _WEIGHT_BITS,
+    "delta_reference": _checker("'weights' or 'codes'", lambda v: v in ("weights", "codes")),
     "delta_block_size": _optional(_BLOCK_SIZE),
     "offload": _OFFLOAD,
     "hpz_partition_size": _POSITIVE_INT,
@@ -231,6 +232,11 @@ class ZeroPPConfig(_KeyedConfig):
     """Bits per element of ``weight_deltas``' differences: 2 to 8."""
     delta_block_size: int | None = None
     """Elements sharing one scale in ``weight_deltas``' code; None takes ``block_size``."""
+    delta_reference: str = "weights"
+    """How ``weight_deltas`` keeps its node copy: "weights" (in the gather dtype: the forward sees
+    the weights within the last difference's half step) or "codes" (as qwZ's INT8 codes, as hpZ
+    keeps its copy under qwZ: half a bf16 copy's memory and its node gathers' bytes, and the
+    forward sees INT8's error on top). See zeropp.techniques.deltas [Note: the copy as codes]."""
     quantize_intra_node_weights: bool = False
     """qwZ: also quantize all-gathers inside a node (default: full precision). hpZ's backward
     gather sends the codes its copy is kept as either way ([Note: hpZ's copy as qwZ's codes])."""
@@ -610,7 +616,7 @@ _DEEPSPEED_KEYS: dict[str, tuple[str, str]] = {
         "quantize_intra_node_weights", "error_feedback", "low_bit_trainable_weights", "grad_rotation",
         "grad_rounding", "grad_levels", "grad_block_size", "grad_scale_bits", "overlap", "hierarchical_gather",
         "grad_slice_bytes", "quantized_replica_gradients", "audit_every", "audit_fallback", "weight_deltas",
-        "delta_bits", "delta_block_size")},
+        "delta_bits", "delta_block_size", "delta_reference")},
     "bf16.enabled": ("training", "bf16"),
     "fp16.enabled": ("training", "fp16"),
     **{f"fp16.{name}": ("training", name) for name in (

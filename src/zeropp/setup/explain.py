@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zeropp.codes.codec import payload_bytes, segments_for
 from zeropp.config import ZeroPPConfig
 from zeropp.fsdp.ledger import GroupInfo, Op, direct_sends
 from zeropp.setup.install import gather_chunk_dtype, sharded_comms
@@ -243,11 +244,17 @@ def _from_node_copy(plan: Plan, unit: UnitPlan, rank: int, dtype: torch.dtype, c
                                 f"int{config.delta_bits} differences, blocks of {config.deltas_block_size}",
                                 "half a step of the difference per element", codec.nbytes))
     if placement.ranks_per_node > 1:
-        rows = placement.num_nodes * chunk_bytes
-        found.append(Collective(unit.name, "forward gather", "hpZ", Op.ALL_GATHER, inside, _dtype_name(dtype),
-                                "the node copy", rows))
+        code, row = _dtype_name(dtype), chunk_bytes
+        if config.delta_reference == "codes":
+            floating = [d.is_floating_point for d in layout.gather_dtypes]
+            row = payload_bytes(segments_for(layout.padded_numels, floating, layout.shard_group_size, 8),
+                                config.block_size, dtype)
+            code = f"int8 codes of the copy, blocks of {config.block_size}"
+        rows = placement.num_nodes * row
+        found.append(Collective(unit.name, "forward gather", "hpZ", Op.ALL_GATHER, inside, code, "the node copy",
+                                rows))
         if not layout.kept_whole_after_forward:
-            found.append(Collective(unit.name, "backward gather", "hpZ", Op.ALL_GATHER, inside, _dtype_name(dtype),
+            found.append(Collective(unit.name, "backward gather", "hpZ", Op.ALL_GATHER, inside, code,
                                     "the forward's weights, bit for bit", rows))
     return found
 

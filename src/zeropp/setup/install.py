@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from zeropp.codes.codec import ChunkCodec, segments_for
 from zeropp.config import ZeroPPConfig
 from zeropp.fsdp.access import (
     AllGather,
@@ -104,10 +105,13 @@ def _comms(module: CommGroup, planned: UnitPlan, groups: ProcessGroups, config: 
     if planned.secondary == "node copy":
         node_copy = NodeCopy(layout.shard_group_size, shard.intra_node_group, shard.intra_node_group.rank())
     if planned.gathers == "deltas":
-        all_gather = DeltaAllGather(topology, shard, module, layout.padded_numels,
-                                    [dtype.is_floating_point for dtype in layout.gather_dtypes],
-                                    any(layout.trainable), bits=config.delta_bits, block_size=config.deltas_block_size,
-                                    audited=config.audit_every > 0)
+        floating = [dtype.is_floating_point for dtype in layout.gather_dtypes]
+        reference = None if config.delta_reference == "weights" else ChunkCodec(
+            segments_for(layout.padded_numels, floating, layout.shard_group_size, 8), config.block_size,
+            gather_chunk_dtype(planned))
+        all_gather = DeltaAllGather(topology, shard, module, layout.padded_numels, floating, any(layout.trainable),
+                                    bits=config.delta_bits, block_size=config.deltas_block_size,
+                                    audited=config.audit_every > 0, reference_codec=reference)
         keep_secondary_as_codes(module, None)
     elif planned.gathers == "qwZ":
         all_gather = QuantizedAllGather(

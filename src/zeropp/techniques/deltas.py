@@ -42,6 +42,16 @@ since; whole: its rows were never filled, its shards changed outside a step, a l
 rank's. The unit's next forward gather carries it out; gradient accumulation's micro-batches and
 ``no_grad`` forwards between steps find nothing to do and send nothing across nodes.
 
+[Note: the copy as codes]
+With ``delta_reference="codes"`` a rank keeps its rows as qwZ's INT8 payload rows of the chunks
+(codes and block scales), as hpZ keeps its copy under qwZ: a difference is taken against the
+decoded row, and each holder adds the decoded differences to its decoded rows and codes them
+again, in the same arithmetic on every node; a full refresh sends the owners' INT8 codes, qwZ's
+bytes; the node gathers send the codes, decoded into FSDP2's output in chunk order. Half the
+memory and node bytes of a bf16 copy (a quarter of fp32's); the forward sees INT8's half step of
+the weight on top of the difference's. The loop stays closed: each difference is taken against
+what the nodes hold, so neither code's rounding adds up over steps.
+
 A step is learnt of from the optimizer's step hook (``zeropp.fsdp.after_step.on_step``), not from
 the shards' version counters: a foreach or fused optimizer (AdamW's default on GPUs, HF
 Trainer's ``adamw_torch_fused``) writes DTensor parameters without bumping either counter
@@ -100,7 +110,7 @@ class DeltaAllGather(RecordedComm, Auditable, AllGather):
 
     def __init__(self, topology: Topology, shard: ShardGroups, unit: CommGroup, padded_numels: Sequence[int],
                  floating: Sequence[bool], trainable: bool, *, bits: int, block_size: int, audited: bool = False,
-                 ledger: CommLedger | None = None) -> None:
+                 reference_codec: ChunkCodec | None = None, ledger: CommLedger | None = None) -> None:
         super().__init__(topology, ledger)
         self.shard, self.unit, self.trainable = shard, unit, trainable
         self.param_ids = frozenset(id(p) for p in unit_parameters(unit))
@@ -111,10 +121,15 @@ class DeltaAllGather(RecordedComm, Auditable, AllGather):
         """Which of ``rows`` is this rank's own chunk."""
         self.codec = delta_codec(padded_numels, floating, self.group_size, bits, block_size)
         self.bits, self.audited = bits, audited
+        self.reference_dtype = torch.float32
+        """The gather dtype (set by the first gather: FSDP2's input is in it)."""
         """``audited``: the audit may check the rows, so each difference's bound is kept for it."""
+        self.reference_codec = reference_codec
+        """``delta_reference="codes"``: the rows are kept as this codec's INT8 payload rows of the
+        chunks (qwZ's code), not as the chunks themselves ([Note: the copy as codes])."""
         self.rows: torch.Tensor | None = None
-        """(N, chunk) in the gather dtype: chunk ``n*D + d`` of the unit for n = 0..N-1, d this
-        rank's index in its node."""
+        """(N, chunk) in the gather dtype, or (N, payload bytes) of ``reference_codec``: chunk
+        ``n*D + d`` of the unit for n = 0..N-1, d this rank's index in its node."""
         self.pending = WHOLE
         """What the next forward gather does (the largest decided since the last one)."""
         self.forced = True
@@ -167,6 +182,7 @@ class DeltaAllGather(RecordedComm, Auditable, AllGather):
             raise RuntimeError(f"weight_deltas: unit {self.recorder.unit!r} was asked to gather over {group.size()} "
                                f"ranks; its node copy serves gathers over its shard group of {self.group_size}")
         chunk = input_tensor.numel()
+        self.reference_dtype = input_tensor.dtype
         if output_tensor is None:
             output_tensor = input_tensor.new_empty(chunk * self.group_size)
         action = NOTHING if in_backward() else self.pending
@@ -185,8 +201,8 @@ class DeltaAllGather(RecordedComm, Auditable, AllGather):
     def _check(self, request: Request, master: torch.Tensor) -> None:
         """The audit: this rank's own row against its master chunk, and its rows against those
         of the ranks of its index on the other nodes, which hold the same (a digest of each)."""
-        own = self.rows[self.node_index].view(1, -1)
-        bound = self.last_bound if self.last_bound is not None else torch.zeros_like(own, dtype=torch.float32)
+        own = self._row_value(self.node_index)
+        bound = self.last_bound if self.last_bound is not None else self._coding_bound(own)
         tally = Tally()
         tally.add(self.codec, own, master.view(1, -1), bound.view(1, -1))
         digests = torch.empty((self.num_nodes, 2), dtype=torch.int64, device=own.device)
@@ -200,27 +216,29 @@ class DeltaAllGather(RecordedComm, Auditable, AllGather):
         """Bring the rows up to date across nodes (async if asked), then gather them in the node."""
         inter = self.shard.inter_node_group
         if action == WHOLE or self.rows is None:
-            arrived = input_tensor.new_empty((self.num_nodes, input_tensor.numel()))
-            work = all_gather(arrived.view(-1), input_tensor, inter, self.recorder, "refresh", async_op=async_op)
+            send = self._stored(input_tensor.view(1, -1))
+            arrived = send.new_empty((self.num_nodes, send.shape[1]))
+            work = all_gather(arrived.view(-1), send.view(-1), inter, self.recorder, "refresh",
+                              dtype=None if self.reference_codec is None else "int8", async_op=async_op)
             self.last_bound = None
 
             def adopt() -> None:
                 self.rows = arrived
         else:
-            delta = input_tensor.float() - self.rows[self.node_index].float()
+            delta = input_tensor.float().view(1, -1) - self._row_value(self.node_index)
             send = torch.empty((1, self.codec.nbytes), dtype=torch.uint8, device=input_tensor.device)
-            self.codec.encode(delta.view(1, -1), send)
+            self.codec.encode(delta, send)
             arrived = torch.empty((self.num_nodes, self.codec.nbytes), dtype=torch.uint8, device=send.device)
             work = all_gather(arrived.view(-1), send.view(-1), inter, self.recorder, self.technique,
                               dtype=f"int{self.bits}", async_op=async_op)
             own = self.node_index
-            bound = coding_bound(self.codec, delta.view(1, -1)) if self.audited else None
+            bound = coding_bound(self.codec, delta) if self.audited else None
             del delta
 
             def adopt() -> None:
                 self._apply(arrived)
                 if bound is not None:
-                    self.last_bound = bound + block_constant(self.codec, _rounding(self.rows[own]).view(1, -1))
+                    self.last_bound = bound + self._coding_bound(self._row_value(own))
 
         if work is None:
             adopt()
@@ -236,24 +254,63 @@ class DeltaAllGather(RecordedComm, Auditable, AllGather):
         """Add the N decoded differences to the rows, one row at a time (one chunk of fp32 held),
         as every holder of them does."""
         decoded = torch.empty((1, self.codec.numel), dtype=torch.float32, device=arrived.device)
-        for node, row in enumerate(self.rows):
+        for node in range(self.num_nodes):
             self.codec.decode(arrived[node:node + 1], decoded)
-            if row.dtype == torch.float32:
-                row += decoded[0]
+            if self.reference_codec is not None:
+                self.rows[node:node + 1] = self._stored(self._row_value(node) + decoded)
+            elif self.rows.dtype == torch.float32:
+                self.rows[node] += decoded[0]
             else:
-                row.copy_(row.float() + decoded[0])
+                self.rows[node].copy_(self.rows[node].float() + decoded[0])
+
+    def _stored(self, chunks: torch.Tensor) -> torch.Tensor:
+        """Chunks (rows, chunk) as the rows keep them: in the gather dtype, or coded."""
+        dtype = self.reference_dtype
+        if self.reference_codec is None:
+            return chunks.to(dtype)
+        codes = torch.empty((len(chunks), self.reference_codec.nbytes), dtype=torch.uint8, device=chunks.device)
+        self.reference_codec.encode(chunks.to(dtype), codes)
+        return codes
+
+    def _row_value(self, node: int) -> torch.Tensor:
+        """Row ``node`` as the weights it holds, (1, chunk) in fp32."""
+        if self.reference_codec is None:
+            return self.rows[node:node + 1].float()
+        value = torch.empty((1, self.reference_codec.numel), dtype=self.reference_dtype, device=self.rows.device)
+        self.reference_codec.decode(self.rows[node:node + 1], value)
+        return value.float()
+
+    def _coding_bound(self, value: torch.Tensor) -> torch.Tensor:
+        """What keeping ``value`` (1, chunk) in the rows may change of it: the gather dtype's
+        rounding of a sum, or the INT8 code's half step."""
+        if self.reference_codec is not None:
+            return coding_bound(self.reference_codec, value, out_dtype=self.reference_dtype)
+        return block_constant(self.codec, _rounding(value.to(self.reference_dtype)))
 
     def _gather_rows(self, output: torch.Tensor, async_op: bool) -> Started:
         """The S chunks from the node's rows, gathered straight into FSDP2's output and put in chunk
-        order there: rank d's row n is chunk n*D + d ([Note: chunk order in place])."""
-        rows = self.rows
-        if self.ranks_per_node == 1:
+        order there: rank d's row n is chunk n*D + d ([Note: chunk order in place]); rows kept as
+        codes are gathered as codes and decoded into the output in chunk order."""
+        rows, per_node, nodes = self.rows, self.ranks_per_node, self.num_nodes
+        if self.reference_codec is not None:
+            received = rows.new_empty((per_node * nodes, rows.shape[1]))
+            work = None if per_node == 1 else all_gather(received.view(-1), rows.view(-1), self.shard.intra_node_group,
+                                                         self.recorder, "hpZ", dtype="int8", async_op=async_op)
+            if per_node == 1:
+                received.copy_(rows)
+
+            def decode(written: torch.Tensor) -> None:
+                ordered = received.view(per_node, nodes, -1).transpose(0, 1).reshape(per_node * nodes, -1)
+                self.reference_codec.decode(ordered, written.view(self.group_size, -1))
+
+            return work, Completion(received, decode)
+        if per_node == 1:
             output.view_as(rows).copy_(rows)
             return None, Completion(rows, lambda _: None)
         work = all_gather(output.view(-1), rows.view(-1), self.shard.intra_node_group, self.recorder, "hpZ",
                           async_op=async_op)
         return work, Completion(rows, lambda written: in_chunk_order(written.view(self.group_size, -1),
-                                                                     self.ranks_per_node, self.num_nodes))
+                                                                     per_node, nodes))
 
     def copy_bytes(self) -> int:
         """Bytes of the rows held (0 before the first gather)."""
@@ -297,8 +354,8 @@ def _source_of(target: int, ranks_per_node: int, num_nodes: int) -> int:
 
 def _digest(rows: torch.Tensor) -> torch.Tensor:
     """Two integers that differ where two copies of ``rows`` differ in any bit (but for a
-    collision): the sum of their bits as integers, and the sum weighted by position."""
-    bits = rows.contiguous().view(-1).view(torch.int32 if rows.element_size() == 4 else torch.int16).long()
+    collision): the sum of their bytes as integers, and the sum weighted by position."""
+    bits = rows.contiguous().view(-1).view(torch.uint8).long()
     return torch.stack([bits.sum(), (bits * torch.arange(1, len(bits) + 1, device=bits.device)).sum()])
 
 
@@ -306,7 +363,7 @@ def _rounding(row: torch.Tensor) -> torch.Tensor:
     """Per element, what adding a decoded difference to ``row`` in its dtype may round off (a
     whole ulp, for the difference's own fp32 rounding too)."""
     eps = torch.finfo(row.dtype).eps if row.dtype != torch.float32 else 2.0 ** -22
-    return eps * row.float().abs()
+    return eps * row.float().abs().view(1, -1)
 
 
 @dataclass

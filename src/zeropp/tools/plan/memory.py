@@ -111,6 +111,7 @@ from zeropp.tools.plan.traffic import (
     keeps_codes,
     keeps_secondary_copy,
     keeps_weight_deltas,
+    node_copy_row_bytes,
     offloads_optimizer,
     offloads_shards,
     padded_numels,
@@ -212,12 +213,18 @@ def _delta_gather_bytes(padded: list[int], config: ZeroPPConfig, shard: Topology
                         refresh: bool) -> float:
     """What a gather from the node copy holds while its collectives run: FSDP2's flat output
     (the node's rows are gathered into it, then put in chunk order holding one chunk: [Note:
-    chunk order in place] in ``zeropp.techniques.deltas``); in a forward that adds a step's
-    differences, this rank's chunk of them in fp32 while it is coded, its code, every node's code
-    and one decoded chunk in fp32 (the audit's bound, a chunk of fp32 per unit, aside)."""
+    chunk order in place] in ``zeropp.techniques.deltas``; a copy kept as codes is gathered as
+    codes and put in chunk order beside them, then decoded into it); in a forward that adds a
+    step's differences, this rank's chunk of them in fp32 while it is coded, its code, every
+    node's code and one decoded chunk in fp32 (the audit's bound, a chunk of fp32 per unit, aside)."""
     whole = sum(padded) * gather_dtype.itemsize
     chunk = sum(padded) // shard.world_size
-    held = whole + chunk * gather_dtype.itemsize
+    if config.delta_reference == "codes":
+        codes = shard.world_size * node_copy_row_bytes(padded, config, shard.world_size,
+                                                       Precision(gather_dtype=gather_dtype))
+        held = whole + 2 * codes
+    else:
+        held = whole + chunk * gather_dtype.itemsize
     if not refresh:
         return held
     payload = payload_bytes(segments_for(padded, [True] * len(padded), shard.world_size, config.delta_bits),
@@ -401,7 +408,7 @@ def _part_bytes(unit: UnitShape, shard: Topology, index: int, model: ModelShape,
         copy_in_backward=copy_in if backward_gathers_from_shard(config, topology) and not deltas else 0.0,
         late=late,
         later=later,
-        node_copy=sum(padded) / shard.ranks_per_node * gather_dtype.itemsize if deltas else 0.0,
+        node_copy=shard.num_nodes * node_copy_row_bytes(padded, config, shard_size, precision) if deltas else 0.0,
     )
 
 

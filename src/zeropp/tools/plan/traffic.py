@@ -258,10 +258,20 @@ def _delta_gathers(unit: UnitShape, padded: list[int], config: ZeroPPConfig, top
                               "forward", "deltas", f"int{config.delta_bits}", (1 + nodes) * chunk,
                               span=0 if nodes == topology.num_nodes else nodes))
     if per_node > 1:
-        rows = nodes * chunk * precision.gather_dtype.itemsize
-        found += [Transfer(Op.ALL_GATHER, GroupKind.INTRA, per_node, rows, phase, "hpZ",
-                           _dtype_name(precision.gather_dtype)) for phase in ("forward", "backward")]
+        rows, dtype = node_copy_row_bytes(padded, config, shard.world_size, precision) * nodes, \
+            "int8" if config.delta_reference == "codes" else _dtype_name(precision.gather_dtype)
+        found += [Transfer(Op.ALL_GATHER, GroupKind.INTRA, per_node, rows, phase, "hpZ", dtype)
+                  for phase in ("forward", "backward")]
     return found
+
+
+def node_copy_row_bytes(padded: list[int], config: ZeroPPConfig, group_size: int, precision: Precision) -> int:
+    """Bytes of one row (one chunk) of a unit's node copy: the chunk in the gather dtype, or its
+    INT8 payload with ``delta_reference="codes"``."""
+    if config.delta_reference == "codes":
+        return payload_bytes(segments_for(padded, [True] * len(padded), group_size, 8), config.block_size,
+                             precision.gather_dtype)
+    return sum(padded) // group_size * precision.gather_dtype.itemsize
 
 
 def _gathers(unit: UnitShape, padded: list[int], config: ZeroPPConfig, topology: Topology, shard: Topology,
