@@ -126,6 +126,36 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         return _run_once(fn, world_size, args, timeout, env)
 
 
+FAILURE_GRACE_S = 5.0
+"""How long the other ranks' reports are awaited after a rank fails: a rank whose peer failed
+often fails too, with the transport's message ("Connection reset by peer"), and may report
+first; the error that is not a broken connection is the cause ([Note: the cause first])."""
+
+BROKEN_CONNECTION = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused")
+
+
+def _failure(outcome: dict[int, tuple[bool, Any]], procs: list, world_size: int) -> AssertionError:
+    """One error for a run in which ranks failed, the likely cause first.
+
+    [Note: the cause first]
+    When one rank fails inside a collective, gloo closes its connections and its peers fail with
+    "Connection reset by peer"; any of them can report before the rank that caused it. So the
+    parent waits ``FAILURE_GRACE_S`` for the other reports, then names every failed rank, a rank's
+    own error (one that is not a broken connection) before the broken connections it caused, and
+    the ranks that died without a report, with their exit codes (a signal: killed, or crashed in
+    native code)."""
+    failed = {r: value for r, (ok, value) in outcome.items() if not ok}
+    ordered = sorted(failed, key=lambda r: (any(m in failed[r] for m in BROKEN_CONNECTION), r))
+    silent = {r: procs[r].exitcode for r in range(world_size) if r not in outcome}
+    summary = [f"ranks {ordered} of {world_size} failed"]
+    if silent:
+        summary.append("ranks without a report (exit code, None while running): "
+                       + ", ".join(f"{r}: {code}" for r, code in silent.items()))
+    body = "\n".join(f"--- rank {r}:\n{failed[r]}" for r in ordered)
+    error = _PortTaken if any("EADDRINUSE" in value for value in failed.values()) else AssertionError
+    return error("; ".join(summary) + "\n" + body)
+
+
 class _PortTaken(AssertionError):
     """The store's port was taken between choosing it and binding it."""
 
@@ -142,23 +172,27 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: flo
         p.start()
     outcome: dict[int, tuple[bool, Any]] = {}
     deadline = time.monotonic() + timeout
+    failed_at = None
     try:
         while len(outcome) < world_size:
+            if failed_at is not None and time.monotonic() > failed_at + FAILURE_GRACE_S:
+                break
             try:
                 rank, ok, value = results.get(timeout=1.0)
             except queue.Empty:
                 missing = sorted(set(range(world_size)) - set(outcome))
                 dead = {r: procs[r].exitcode for r in missing if procs[r].exitcode not in (None, 0)}
-                if dead:  # died before reporting (a crash, or an import that failed in the rank)
+                if dead and failed_at is None:  # died before reporting (a crash, or an import that failed)
                     raise AssertionError(f"ranks {sorted(dead)} exited with {sorted(set(dead.values()))} "
                                          "before reporting a result; their stderr says why") from None
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline and failed_at is None:
                     raise AssertionError(f"ranks {missing} gave no result within {timeout} s (hang?)") from None
                 continue
             outcome[rank] = (ok, value)
-            if not ok:
-                error = _PortTaken if "EADDRINUSE" in value else AssertionError
-                raise error(f"rank {rank} of {world_size} failed:\n{value}")
+            if not ok and failed_at is None:
+                failed_at = time.monotonic()
+        if failed_at is not None:
+            raise _failure(outcome, procs, world_size)
     finally:
         for p in procs:
             p.join(timeout=5)
