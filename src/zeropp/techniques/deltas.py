@@ -299,9 +299,12 @@ class DeltaAllGather(RecordedComm, Auditable, AllGather):
             if per_node == 1:
                 received.copy_(rows)
 
-            def decode(written: torch.Tensor) -> None:
-                ordered = received.view(per_node, nodes, -1).transpose(0, 1).reshape(per_node * nodes, -1)
-                self.reference_codec.decode(ordered, written.view(self.group_size, -1))
+            def decode(written: torch.Tensor) -> None:  # rank d's N rows to chunks n*D + d, one rank's at a time
+                chunks = written.view(nodes, per_node, -1)
+                rank_rows = chunks.new_empty((nodes, chunks.shape[2]))
+                for local in range(per_node):
+                    self.reference_codec.decode(received[local * nodes:(local + 1) * nodes], rank_rows)
+                    chunks[:, local].copy_(rank_rows)
 
             return work, Completion(received, decode)
         if per_node == 1:

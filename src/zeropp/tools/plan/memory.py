@@ -214,15 +214,15 @@ def _delta_gather_bytes(padded: list[int], config: ZeroPPConfig, shard: Topology
     """What a gather from the node copy holds while its collectives run: FSDP2's flat output
     (the node's rows are gathered into it, then put in chunk order holding one chunk: [Note:
     chunk order in place] in ``zeropp.techniques.deltas``; a copy kept as codes is gathered as
-    codes and put in chunk order beside them, then decoded into it); in a forward that adds a
+    codes, and each rank's rows decoded into it in turn); in a forward that adds a
     step's differences, this rank's chunk of them in fp32 while it is coded, its code, every
     node's code and one decoded chunk in fp32 (the audit's bound, a chunk of fp32 per unit, aside)."""
     whole = sum(padded) * gather_dtype.itemsize
     chunk = sum(padded) // shard.world_size
-    if config.delta_reference == "codes":
+    if config.delta_reference == "codes":  # the node's codes, and one rank's rows decoded at a time
         codes = shard.world_size * node_copy_row_bytes(padded, config, shard.world_size,
                                                        Precision(gather_dtype=gather_dtype))
-        held = whole + 2 * codes
+        held = whole + codes + shard.num_nodes * chunk * gather_dtype.itemsize
     else:
         held = whole + chunk * gather_dtype.itemsize
     if not refresh:
