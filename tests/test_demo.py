@@ -34,25 +34,26 @@ def test_the_comparison_states_the_time_to_zero3s_loss_and_the_measured_bound(tm
     low, high = row["ci95_percent"]
     assert f"{row['mean_delta_percent']:+.2f}%" in bound and f"[{low:+.2f}, {high:+.2f}]" in bound
     assert f"{row['pairs']} paired seeds" in bound
-    # ZeRO-3 ends at 2.5 after 4 steps of 2 s; all three passes 2.5 at its third step of 0.5 s
+    # ZeRO-3 ends at 2.5 after 4 steps of 2 s (the target: 2.525); all three passes it at its third step of 0.5 s
     _finished_run(tmp_path, "zero3", [3.0, 2.8, 2.6, 2.5], 2.0)
     _finished_run(tmp_path, "all", [3.0, 2.7, 2.45, 2.4], 0.5)
     table = demo.compare(tmp_path, ["zero3", "all"], "100mbit", "2 nodes x 2 ranks")
     assert bound in table and "all 0.25x ZeRO-3's" in table
-    assert "all reached ZeRO-3's final validation loss 2.5000 after 2 s of training, ZeRO-3 after 8 s: 5.3x sooner" \
-        in table, table
+    assert "all came within 1% of ZeRO-3's final validation loss 2.5000 after 2 s of training, ZeRO-3 after 8 s: " \
+        "5.3x sooner" in table, table
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["modes"]["all"]["to_zero3_final_val_loss_s"] == 1.5
+    assert summary["modes"]["all"]["to_target_s"] == 1.5 and summary["modes"]["zero3"]["to_target_s"] == 8.0
     assert summary["modes"]["zero3"]["total_s"] == 8.0
     assert summary["modes"]["all"]["backend_cross_node_mb_per_step"] == pytest.approx(0.3 / 4)
     assert (tmp_path / "loss.png").stat().st_size > 0
 
 
-def test_a_run_that_never_reaches_zero3s_loss_says_so(tmp_path) -> None:
+def test_a_run_that_never_comes_within_1_percent_of_zero3s_loss_says_so(tmp_path) -> None:
     _finished_run(tmp_path, "zero3", [3.0, 2.5], 1.0)
-    _finished_run(tmp_path, "all", [3.0, 2.6], 0.5)
+    _finished_run(tmp_path, "all", [3.0, 2.53], 0.5)  # 1.2% above
     table = demo.compare(tmp_path, ["zero3", "all"], None)
-    assert "all did not reach ZeRO-3's final validation loss 2.5000 in its 1 s (it ended at 2.6000)" in table
+    assert "all did not come within 1% of ZeRO-3's final validation loss 2.5000 in its 1 s (it ended at 2.5300)" \
+        in table, table
 
 
 def test_no_verdict_no_line(tmp_path) -> None:

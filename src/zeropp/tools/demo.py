@@ -244,9 +244,11 @@ def plot_losses(path: Path, runs: dict[str, list[dict]], note: str | None = None
         val = [r for r in records if "val_loss" in r]
         ax.plot([r["elapsed_s"] for r in val], [r["val_loss"] for r in val], "o-", ms=3, color=color,
                 label=f"{_label(name)}, validation")
-    target = _final_val_loss(runs.get(BASELINE, []))
-    if target is not None:
-        ax.axhline(target, color="grey", ls=":", lw=1, label="ZeRO-3's final validation loss")
+    final = _final_val_loss(runs.get(BASELINE, []))
+    if final is not None:
+        target = final * (1 + TARGET_TOLERANCE)
+        ax.axhline(target, color="grey", ls=":", lw=1,
+                   label=f"ZeRO-3's final validation loss + {100 * TARGET_TOLERANCE:.0f}%")
         theirs = time_to_loss(runs[BASELINE], target)
         for name, records in runs.items():
             mine = time_to_loss(records, target)
@@ -289,6 +291,13 @@ def _final_val_loss(records: list[dict]) -> float | None:
     return val[-1] if val else None
 
 
+TARGET_TOLERANCE = 0.01
+"""The demo's target: ZeRO-3's final validation loss plus 1%. Both runs reach it at the same step
+to within the short runs' trajectory noise, so the ratio of the times is what the faster step buys;
+the exact final loss would make the comparison one of that noise (a run 0.03% behind at its end
+never reaches it)."""
+
+
 def time_to_loss(records: list[dict], target: float) -> float | None:
     """Training seconds until the first validation loss at or below ``target``; None if never."""
     return next((r["elapsed_s"] for r in records if r.get("val_loss", math.inf) <= target), None)
@@ -299,7 +308,8 @@ def summarize(run_dir: Path, modes: list[str]) -> dict[str, dict]:
     bytes per step (all sent, cross-node direct sends, the backend's cross-node figure), and the
     seconds to ZeRO-3's final validation loss where ZeRO-3 ran."""
     runs = {mode: [json.loads(line) for line in open(run_dir / mode / "metrics.jsonl")] for mode in modes}
-    target = _final_val_loss(runs.get(BASELINE, []))
+    final = _final_val_loss(runs.get(BASELINE, []))
+    target = None if final is None else final * (1 + TARGET_TOLERANCE)
     summary = {}
     for mode, records in runs.items():
         comm = json.loads((run_dir / mode / "comm.json").read_text())["total"]
@@ -310,7 +320,8 @@ def summarize(run_dir: Path, modes: list[str]) -> dict[str, dict]:
             "mb_per_step": comm["bytes"] / steps / 1e6,
             "cross_node_mb_per_step": comm["cross_node_bytes"] / steps / 1e6,
             "backend_cross_node_mb_per_step": comm["backend_cross_node_bytes"] / steps / 1e6,
-            "to_zero3_final_val_loss_s": None if target is None else time_to_loss(records, target)}
+            "target_val_loss": target,
+            "to_target_s": None if target is None else time_to_loss(records, target)}
     return summary
 
 
@@ -350,13 +361,13 @@ def compare(run_dir: Path, modes: list[str], link: str | None = None, layout: st
 
 
 def _to_target(mode: str, row: dict, base: dict) -> str:
-    """How soon ``mode`` reached ZeRO-3's final validation loss."""
-    seconds, base_seconds = row["to_zero3_final_val_loss_s"], base["to_zero3_final_val_loss_s"]
+    """How soon ``mode`` came within ``TARGET_TOLERANCE`` of ZeRO-3's final validation loss."""
+    seconds, base_seconds = row["to_target_s"], base["to_target_s"]
+    within = f"within {100 * TARGET_TOLERANCE:.0f}% of ZeRO-3's final validation loss {base['val_loss']:.4f}"
     if seconds is None:
-        return (f"{mode} did not reach ZeRO-3's final validation loss {base['val_loss']:.4f} in its "
-                f"{row['total_s']:.0f} s (it ended at {row['val_loss']:.4f})")
-    return (f"{mode} reached ZeRO-3's final validation loss {base['val_loss']:.4f} after {seconds:.0f} s of "
-            f"training, ZeRO-3 after {base_seconds:.0f} s: {base_seconds / seconds:.1f}x sooner")
+        return f"{mode} did not come {within} in its {row['total_s']:.0f} s (it ended at {row['val_loss']:.4f})"
+    return (f"{mode} came {within} after {seconds:.0f} s of training, ZeRO-3 after {base_seconds:.0f} s: "
+            f"{base_seconds / seconds:.1f}x sooner")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
