@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -61,6 +63,7 @@ def _worker(rank: int, world_size: int, port: int, env: dict[str, str], fn: Call
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(world_size))
     torch.set_num_threads(1)
+    faulthandler.enable(all_threads=True)  # a rank that crashes in native code prints every thread's stack
     deadline = time.monotonic() + timeout
     store = None
     try:
@@ -124,6 +127,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         return _run_once(fn, world_size, args, timeout, env)
     except _PortTaken:
         return _run_once(fn, world_size, args, timeout, env)
+    except _Crashed as crash:  # [Note: a rank killed by a signal]
+        print(f"run_distributed: {crash.args[0].splitlines()[0]}; running the ranks once more "
+              "(the crashed rank's stack is in the captured stderr)", file=sys.stderr)
+        return _run_once(fn, world_size, args, timeout, env)
 
 
 FAILURE_GRACE_S = 5.0
@@ -152,12 +159,25 @@ def _failure(outcome: dict[int, tuple[bool, Any]], procs: list, world_size: int)
         summary.append("ranks without a report (exit code, None while running): "
                        + ", ".join(f"{r}: {code}" for r, code in silent.items()))
     body = "\n".join(f"--- rank {r}:\n{failed[r]}" for r in ordered)
-    error = _PortTaken if any("EADDRINUSE" in value for value in failed.values()) else AssertionError
+    error = (_PortTaken if any("EADDRINUSE" in value for value in failed.values()) else
+             _Crashed if any(code is not None and code < 0 for code in silent.values()) else AssertionError)
     return error("; ".join(summary) + "\n" + body)
 
 
 class _PortTaken(AssertionError):
     """The store's port was taken between choosing it and binding it."""
+
+
+class _Crashed(AssertionError):
+    """A rank died by a signal (a crash in native code), not by a test's assertion or error.
+
+    [Note: a rank killed by a signal]
+    Under load, about one run in a dozen of a plain ZeRO-3 / hpZ test on 4 gloo ranks (beside two
+    CPU hogs; once in a whole suite on a quiet machine, and once in context parallel's test in CI)
+    lost a rank to SIGSEGV in one of gloo's native threads while the rank's Python thread waited on
+    a collective's work; its peers then read "Connection reset by peer". faulthandler (enabled in
+    every rank) shows no Python frame on the crashing thread. Such a run is started once more, and
+    says so on stderr; a second crash fails the test. The cause is not found yet."""
 
 
 def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float,
@@ -182,9 +202,12 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: flo
             except queue.Empty:
                 missing = sorted(set(range(world_size)) - set(outcome))
                 dead = {r: procs[r].exitcode for r in missing if procs[r].exitcode not in (None, 0)}
+                if failed_at is not None and len(dead) == len(missing):
+                    break  # every rank has reported or died: nothing more to wait for
                 if dead and failed_at is None:  # died before reporting (a crash, or an import that failed)
-                    raise AssertionError(f"ranks {sorted(dead)} exited with {sorted(set(dead.values()))} "
-                                         "before reporting a result; their stderr says why") from None
+                    error = _Crashed if any(code < 0 for code in dead.values()) else AssertionError
+                    raise error(f"ranks {sorted(dead)} exited with {sorted(set(dead.values()))} "
+                                "before reporting a result; their stderr says why") from None
                 if time.monotonic() > deadline and failed_at is None:
                     raise AssertionError(f"ranks {missing} gave no result within {timeout} s (hang?)") from None
                 continue
@@ -194,8 +217,8 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: flo
         if failed_at is not None:
             raise _failure(outcome, procs, world_size)
     finally:
-        for p in procs:
-            p.join(timeout=5)
+        for p in procs:  # after a failure, the survivors wait for a peer that will not come: kill them
+            p.join(timeout=5 if failed_at is None else 0.1)
             if p.is_alive():
                 p.kill()
     return [outcome[r][1] for r in range(world_size)]
