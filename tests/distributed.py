@@ -175,7 +175,8 @@ class _Crashed(AssertionError):
     Under load, about one run in a dozen of a plain ZeRO-3 / hpZ test on 4 gloo ranks (beside two
     CPU hogs; once in a whole suite on a quiet machine, and once in context parallel's test in CI)
     lost a rank to SIGSEGV in one of gloo's native threads while the rank's Python thread waited on
-    a collective's work; its peers then read "Connection reset by peer". faulthandler (enabled in
+    a collective's work (``overlap``'s late reduce-scatter); its peers then read "Connection reset
+    by peer". faulthandler (enabled in
     every rank) shows no Python frame on the crashing thread. Such a run is started once more, and
     says so on stderr; a second crash fails the test. The cause is not found yet."""
 
