@@ -121,9 +121,9 @@ class DeltaAllGather(RecordedComm, Auditable, AllGather):
         """Which of ``rows`` is this rank's own chunk."""
         self.codec = delta_codec(padded_numels, floating, self.group_size, bits, block_size)
         self.bits, self.audited = bits, audited
+        """``audited``: the audit may check the rows, so each difference's bound is kept for it."""
         self.reference_dtype = torch.float32
         """The gather dtype (set by the first gather: FSDP2's input is in it)."""
-        """``audited``: the audit may check the rows, so each difference's bound is kept for it."""
         self.reference_codec = reference_codec
         """``delta_reference="codes"``: the rows are kept as this codec's INT8 payload rows of the
         chunks (qwZ's code), not as the chunks themselves ([Note: the copy as codes])."""

@@ -244,9 +244,8 @@ def plot_losses(path: Path, runs: dict[str, list[dict]], note: str | None = None
         val = [r for r in records if "val_loss" in r]
         ax.plot([r["elapsed_s"] for r in val], [r["val_loss"] for r in val], "o-", ms=3, color=color,
                 label=f"{_label(name)}, validation")
-    final = _final_val_loss(runs.get(BASELINE, []))
-    if final is not None:
-        target = final * (1 + TARGET_TOLERANCE)
+    target = _target(runs)
+    if target is not None:
         ax.axhline(target, color="grey", ls=":", lw=1,
                    label=f"ZeRO-3's final validation loss + {100 * TARGET_TOLERANCE:.0f}%")
         theirs = time_to_loss(runs[BASELINE], target)
@@ -286,9 +285,10 @@ def _label(mode: str) -> str:
     return {"zero3": "ZeRO-3", "all": "ZeRO++ (all three)"}.get(mode, mode)
 
 
-def _final_val_loss(records: list[dict]) -> float | None:
-    val = [r["val_loss"] for r in records if "val_loss" in r]
-    return val[-1] if val else None
+def _target(runs: dict[str, list[dict]]) -> float | None:
+    """ZeRO-3's final validation loss plus ``TARGET_TOLERANCE``; None where ZeRO-3 did not run."""
+    val = [r["val_loss"] for r in runs.get(BASELINE, []) if "val_loss" in r]
+    return val[-1] * (1 + TARGET_TOLERANCE) if val else None
 
 
 TARGET_TOLERANCE = 0.01
@@ -303,13 +303,11 @@ def time_to_loss(records: list[dict], target: float) -> float | None:
     return next((r["elapsed_s"] for r in records if r.get("val_loss", math.inf) <= target), None)
 
 
-def summarize(run_dir: Path, modes: list[str]) -> dict[str, dict]:
-    """Per finished run (``run_dir/<mode>``): steps, final losses, seconds in all and per step,
-    bytes per step (all sent, cross-node direct sends, the backend's cross-node figure), and the
-    seconds to ZeRO-3's final validation loss where ZeRO-3 ran."""
-    runs = {mode: [json.loads(line) for line in open(run_dir / mode / "metrics.jsonl")] for mode in modes}
-    final = _final_val_loss(runs.get(BASELINE, []))
-    target = None if final is None else final * (1 + TARGET_TOLERANCE)
+def summarize(run_dir: Path, runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per finished run (``runs``: each mode's records; its ledger in ``run_dir/<mode>``): steps,
+    final losses, seconds in all and per step, bytes per step (all sent, cross-node direct sends,
+    the backend's cross-node figure), and the seconds to the target (``_target``) where ZeRO-3 ran."""
+    target = _target(runs)
     summary = {}
     for mode, records in runs.items():
         comm = json.loads((run_dir / mode / "comm.json").read_text())["total"]
@@ -329,8 +327,8 @@ def compare(run_dir: Path, modes: list[str], link: str | None = None, layout: st
     """A side-by-side table of finished demo runs (``run_dir/<mode>``), their picture
     (``run_dir/loss.png``) and ``run_dir/summary.json``; ``link``: the inter-node link they ran
     under (None: no limit); ``layout``: e.g. "2 nodes x 2 ranks"."""
-    summary = summarize(run_dir, modes)
     runs = {mode: [json.loads(line) for line in open(run_dir / mode / "metrics.jsonl")] for mode in modes}
+    summary = summarize(run_dir, runs)
     lines = ["communication summed over all ranks (x-node: direct sends; backend: what the "
              "backend's algorithm sends across nodes)",
              f"{'mode':<8}{'train loss':>11}{'val loss':>10}{'s/step':>8}{'s in all':>10}{'MB/step sent':>14}"
@@ -411,8 +409,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     steps = args.steps if args.steps is not None else LINK_STEPS if link else LOCAL_STEPS
     run_dir = Path(args.run_dir) if args.run_dir else Path(args.runs) / time.strftime("%Y%m%d-%H%M%S")
     for mode in args.modes:
-        module_args = ["--run-dir", str(run_dir / mode), "--mode", mode, "--steps", str(steps),
-                       *config_flags(DemoConfig(**DEMO_SCHEDULE), only=DEMO_SCHEDULE)]
+        module_args = ["--run-dir", str(run_dir / mode), *config_flags(DemoConfig(mode=mode, steps=steps,
+                                                                                  **DEMO_SCHEDULE))]
         where = f"emulated nodes, {link} between them" if link else "local processes, no link limit"
         print(f"\nzeropp demo: {args.nodes} nodes x {args.ranks_per_node} ranks ({where}), "
               f"mode {mode}, {steps} steps -> {run_dir / mode}", flush=True)

@@ -13,13 +13,11 @@ from typing import Any
 import torch.distributed as dist
 
 
-def config_flags(config: Any, only: Any = None) -> list[str]:
-    """``--field-name value`` for every field of a dataclass instance (or for the fields named in
-    ``only``)."""
+def config_flags(config: Any) -> list[str]:
+    """``--field-name value`` for every field of a dataclass instance."""
     flags = []
     for name, value in dataclasses.asdict(config).items():
-        if only is None or name in only:
-            flags += [f"--{name.replace('_', '-')}", str(value)]
+        flags += [f"--{name.replace('_', '-')}", str(value)]
     return flags
 
 
