@@ -28,12 +28,12 @@ def _finished_run(run_dir, mode: str, val_losses: list[float], seconds_per_step:
 
 
 def test_the_comparison_states_the_time_to_zero3s_loss_and_the_measured_bound(tmp_path) -> None:
-    rows = json.loads(demo.VERDICT.read_text())
-    row = next(r for r in rows if r["mode"] == "all")
+    rows = [r for r in json.loads(demo.VERDICT.read_text()) if r["mode"] == "all" and r["ci95_percent"]]
+    row = max(rows, key=lambda r: r["ci95_percent"][1])  # the worst cell, not the friendliest
     bound = demo.measured_bound()
     low, high = row["ci95_percent"]
     assert f"{row['mean_delta_percent']:+.2f}%" in bound and f"[{low:+.2f}, {high:+.2f}]" in bound
-    assert f"{row['pairs']} paired seeds" in bound
+    assert f"fine-tuned on {row['corpus']}, {row['setting']} settings, {row['pairs']} paired seeds" in bound
     # ZeRO-3 ends at 2.5 after 4 steps of 2 s (the target: 2.525); all three passes it at its third step of 0.5 s
     _finished_run(tmp_path, "zero3", [3.0, 2.8, 2.6, 2.5], 2.0)
     _finished_run(tmp_path, "all", [3.0, 2.7, 2.45, 2.4], 0.5)

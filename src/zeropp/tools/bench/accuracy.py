@@ -360,13 +360,17 @@ def _panel(ax, dots: dict[str, dict[str, list[float]]], verdicts: dict[str, dict
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``zeropp accuracy`` options."""
-    parser.add_argument("--out", default="benchmarks/results/accuracy")
-    parser.add_argument("--runs", default="runs/accuracy", help="per-run directories")
+    parser.add_argument("--out", default=None, help="default benchmarks/results/accuracy (with --pretrained: "
+                        "benchmarks/results/accuracy_pretrained; with --model: zeropp-accuracy)")
+    parser.add_argument("--runs", default=None, help="per-run directories (default runs/accuracy, with --pretrained "
+                        "runs/accuracy_pretrained, with --model <out>/runs_work)")
     parser.add_argument("--seeds", type=lambda text: [int(k) for k in text.split(",")], default=None,
                         help=f"default {','.join(map(str, SEEDS))} (with --pretrained: "
                              f"{','.join(map(str, accuracy_pretrained.SEEDS))})")
-    parser.add_argument("--corpora", type=lambda text: text.split(","), default=list(CORPORA))
-    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--corpora", type=lambda text: text.split(","), default=list(CORPORA),
+                        help="the from-scratch grid's corpora (--pretrained takes --cells)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"default {STEPS} (with --pretrained: the setting's 30; other steps only with --model)")
     parser.add_argument("--report-only", action="store_true", help="write the verdict of the runs found, train none")
     parser.add_argument("--pretrained", action="store_true",
                         help="the fine-tuning grid on SmolLM2-135M instead (zeropp.tools.bench.accuracy_pretrained; "
@@ -379,11 +383,12 @@ def run_from_args(args: argparse.Namespace) -> int:
     """``zeropp accuracy``: the grid (or only its report)."""
     if args.pretrained:
         return accuracy_pretrained.run_from_args(args)
+    out = args.out or "benchmarks/results/accuracy"
     if args.report_only:
-        result = report(args.out)
+        result = report(out)
     else:
-        result = run(args.out, corpora=args.corpora, seeds=args.seeds or SEEDS, steps=args.steps,
-                     runs_dir=args.runs)
+        result = run(out, corpora=args.corpora, seeds=args.seeds or SEEDS, steps=args.steps or STEPS,
+                     runs_dir=args.runs or "runs/accuracy")
     print(summary_table(result) + "\n\n" + table(result))
     return 0
 

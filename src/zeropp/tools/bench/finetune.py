@@ -29,7 +29,7 @@ import functools
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -164,21 +164,28 @@ def token_batch(tokens: torch.Tensor, step: int, batch_size: int, context_length
     return windows[:, :-1], windows[:, 1:]
 
 
-def train(config: FinetuneConfig, data_dir: Path, run_dir: Path) -> list[dict]:
-    """Fine-tune on this rank; rank 0 writes ``run_dir/metrics.jsonl``. Returns the records."""
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+def train(config: FinetuneConfig, data_dir: Path, run_dir: Path, *, model_file: Path | None = None,
+          tokens_file: Path | None = None, device: str = "cpu", progress: bool = True,
+          on_step: Callable[[int], None] | None = None) -> list[dict]:
+    """Fine-tune on this rank; rank 0 writes ``run_dir/metrics.jsonl`` (and, while it trains, each
+    record as it comes to ``metrics.jsonl.partial``). Returns the records.
 
+    ``model_file``: the model (default ``data_dir/smollm2.pt``; a directory is a Hugging Face
+    checkpoint, ``from_pretrained``'s); ``tokens_file``: the corpus's tokens (default
+    ``data_dir/tokens.pt``); ``device``: where the ranks train ("cpu", or "cuda": this rank's
+    ``LOCAL_RANK`` GPU); ``on_step``: called with each step's number once it is done."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     mode = FINETUNE_MODES[config.mode]
-    model = _load_model(data_dir / "smollm2.pt")
-    tokens = torch.load(data_dir / "tokens.pt")
+    model_file = model_file or data_dir / "smollm2.pt"
+    model = _load_model(model_file).to(device)
+    tokens = torch.load(tokens_file or data_dir / "tokens.pt")
     torch.manual_seed(config.seed)
     num_trainable = (add_lora(model, config.lora_rank, config.lora_alpha) if mode.lora
                      else sum(p.numel() for p in model.parameters()))
     topology = zeropp.Topology.from_env()
     sharding = mode.config(topology.ranks_per_node, param_dtype=getattr(torch, config.compute_dtype),
                            reduce_dtype=torch.float32)
-    zeropp.shard(model, sharding, topology=topology, units=[LlamaDecoderLayer])
+    zeropp.shard(model, sharding, topology=topology, units=[decoder_layer_type(model)])
     lr = config.lora_lr if mode.lora else config.lr
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, config.steps, eta_min=lr / 10)
@@ -186,7 +193,7 @@ def train(config: FinetuneConfig, data_dir: Path, run_dir: Path) -> list[dict]:
     evaluate_gathered = functools.partial(_evaluate, model, tokens["val"], config, local, topology)
     unsharded = None
     if config.eval_full_precision:
-        unsharded = _load_model(data_dir / "smollm2.pt").eval()
+        unsharded = _load_model(model_file).to(device).eval()
         if mode.lora:
             with torch.random.fork_rng():  # the adapters' init is overwritten; the seed's draws stay the run's
                 add_lora(unsharded, config.lora_rank, config.lora_alpha)
@@ -198,11 +205,23 @@ def train(config: FinetuneConfig, data_dir: Path, run_dir: Path) -> list[dict]:
             losses["val_loss_full"] = _evaluate(unsharded, tokens["val"], config, local, topology)
         return losses
 
+    partial = run_dir / "metrics.jsonl.partial"
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        partial.write_text("")
+
+    def write(record: dict) -> None:
+        if rank == 0:
+            with partial.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
     records = [{"step": 0, **evaluate(), "num_trainable": num_trainable}]
+    write(records[0])
     started = time.perf_counter()
-    for step in tqdm(range(config.steps), disable=rank != 0, desc=f"{config.mode} fine-tuning", unit="step"):
+    for step in tqdm(range(config.steps), disable=rank != 0 or not progress, desc=f"{config.mode} fine-tuning",
+                     unit="step"):
         x, y = token_batch(tokens["train"], step, config.batch_size, config.context_length, config.seed)
-        loss = _loss(model, x[local], y[local])
+        loss = _loss(model, x[local].to(device), y[local].to(device))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -212,19 +231,34 @@ def train(config: FinetuneConfig, data_dir: Path, run_dir: Path) -> list[dict]:
         if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
             record.update(evaluate())
         records.append(record)
+        write(record)
+        if on_step is not None:
+            on_step(step + 1)
     if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        partial.replace(run_dir / "metrics.jsonl")
     return records
 
 
 def _load_model(path: Path) -> nn.Module:
-    from transformers import LlamaConfig
+    """The model to fine-tune, in fp32, in train mode: a directory is a Hugging Face checkpoint,
+    a file ``prepare_model``'s conversion of the GGUF file."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     from zeropp.tools.models.smollm import llama_from_state
 
+    if Path(path).is_dir():
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
     checkpoint = torch.load(path, mmap=True)
     return llama_from_state(LlamaConfig(**checkpoint["config"]), checkpoint["state"]).train()
+
+
+def decoder_layer_type(model: nn.Module) -> type[nn.Module]:
+    """The class of a causal LM's decoder layers (the first ``nn.ModuleList``'s element type, as
+    Hugging Face models hold them in ``model.layers``): one FSDP unit each."""
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            return type(module[0])
+    raise ValueError(f"{type(model).__name__} holds no list of layers (nn.ModuleList) to shard one unit per layer")
 
 
 @torch.no_grad()
@@ -247,7 +281,8 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def _evaluate(model: nn.Module, tokens: torch.Tensor, config: FinetuneConfig, local: slice,
               topology: zeropp.Topology) -> float:
     """Mean loss over fixed validation batches (the same for every mode and step)."""
-    losses = [all_reduce_mean(_loss(model, *(t[local] for t in token_batch(
+    device = next(model.parameters()).device
+    losses = [all_reduce_mean(_loss(model, *(t[local].to(device) for t in token_batch(
         tokens, i, config.batch_size, config.context_length, config.seed))), topology)
         for i in range(config.eval_batches)]
     return sum(losses) / len(losses)
@@ -288,22 +323,29 @@ def check_logits(config: FinetuneConfig, data_dir: Path, run_dir: Path) -> dict[
     return report
 
 
-def prepare(data_dir: Path) -> None:
-    """Convert the GGUF file into ``smollm2.pt`` and tokenize the corpus into ``tokens.pt``
-    (train: the first 90% of the characters, val: the rest, as the char corpus), once."""
+def prepare(data_dir: Path, text: Callable[[], str] = shakespeare_text) -> None:
+    """Convert the GGUF file into ``smollm2.pt`` and tokenize ``text()`` into ``tokens.pt``
+    (``tokenize``'s split), each once."""
+    model_file, tokens_file = data_dir / "smollm2.pt", data_dir / "tokens.pt"
+    if model_file.exists() and tokens_file.exists():
+        return
     from zeropp.tools.models.smollm import load_smollm2
 
-    if (data_dir / "smollm2.pt").exists() and (data_dir / "tokens.pt").exists():
-        return
     print(f"converting the GGUF file and tokenizing the corpus into {data_dir}", flush=True)
     model, tokenizer = load_smollm2()
-    text = shakespeare_text()
-    num_train = len(text) - len(text) * VALIDATION_FRACTION_PERCENT // 100
-    tokens = {split: torch.tensor(tokenizer.encode(part).ids, dtype=torch.int32)
-              for split, part in (("train", text[:num_train]), ("val", text[num_train:]))}
     data_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(tokens, data_dir / "tokens.pt")
-    torch.save({"config": model.config.to_dict(), "state": model.state_dict()}, data_dir / "smollm2.pt")
+    if not tokens_file.exists():
+        torch.save(tokenize(text(), lambda part: tokenizer.encode(part).ids), tokens_file)
+    if not model_file.exists():
+        torch.save({"config": model.config.to_dict(), "state": model.state_dict()}, model_file)
+
+
+def tokenize(text: str, encode: Callable[[str], list[int]]) -> dict[str, torch.Tensor]:
+    """``text`` split as the char corpus splits it (train: the first 90% of the characters, val:
+    the rest), each part encoded by ``encode``: int32 token ids."""
+    num_train = len(text) - len(text) * VALIDATION_FRACTION_PERCENT // 100
+    return {split: torch.tensor(encode(part), dtype=torch.int32)
+            for split, part in (("train", text[:num_train]), ("val", text[num_train:]))}
 
 
 def run(out_dir: str | Path = "benchmarks/results", *, modes: Sequence[str] = DEFAULT_MODES,
@@ -477,12 +519,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data-dir", type=Path, required=True)
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--check-logits", action="store_true", help="compare sharded with unsharded logits")
+    parser.add_argument("--model-file", type=Path, help="default <data-dir>/smollm2.pt; a directory: a HF checkpoint")
+    parser.add_argument("--tokens-file", type=Path, help="default <data-dir>/tokens.pt")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (the caller draws one)")
     add_config_flags(parser, FinetuneConfig)
     args = vars(parser.parse_args(argv))
     data_dir, run_dir, check = args.pop("data_dir"), args.pop("run_dir"), args.pop("check_logits")
+    files = {"model_file": args.pop("model_file"), "tokens_file": args.pop("tokens_file")}
+    progress = not args.pop("no_progress")
     dist.init_process_group("gloo")
     try:
-        (check_logits if check else train)(FinetuneConfig(**args), data_dir, run_dir)
+        if check:
+            check_logits(FinetuneConfig(**args), data_dir, run_dir)
+        else:
+            train(FinetuneConfig(**args), data_dir, run_dir, progress=progress, **files)
     finally:
         dist.destroy_process_group()
 

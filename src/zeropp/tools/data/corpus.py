@@ -21,12 +21,20 @@ references, headings or the edition's front matter); about 1.41 M characters and
 ones, among which rare ones (no capital Q or X; "—", "(" and ")" a few hundred times): their
 embedding rows get no gradient in most steps. Read as JSON, never imported.
 
+The standard library's Python source of the running interpreter is the corpus far from verse:
+its ``.py`` files (tests, ``idlelib``, ``lib2to3`` and ``site-packages`` left out) in sorted path
+order, whole files, until ``PYTHON_SOURCE_CHARS`` characters; on every machine, offline, though
+its text follows the interpreter's version (Python 3.11: 601 files, 11.1 MB in all). Only the
+fine-tuning grid uses it (``TEXTS``): a character vocabulary of source code is the one of a
+different task.
+
 Nothing is cached on disk; reading and encoding a whole corpus takes well under a second.
 """
 
 import hashlib
 import importlib.util
 import json
+import sysconfig
 from pathlib import Path
 
 import torch
@@ -78,8 +86,30 @@ def book_of_mormon_text() -> str:
                      for book in data["books"] for chapter in book["chapters"])
 
 
+PYTHON_SOURCE_CHARS = 5_000_000
+"""The Python corpus's size: about Shakespeare's (5.06 M characters)."""
+_NOT_PYTHON_CORPUS = frozenset({"site-packages", "test", "tests", "idlelib", "lib2to3"})
+
+
+def python_source_text(limit: int = PYTHON_SOURCE_CHARS) -> str:
+    """The running interpreter's standard library source, whole files in sorted path order, joined
+    by a blank line, until ``limit`` characters (the file that crosses it is the last)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    parts, size = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if _NOT_PYTHON_CORPUS & set(path.relative_to(root).parts):
+            continue
+        parts.append(path.read_text(encoding="utf-8", errors="replace"))
+        size += len(parts[-1]) + len(WORK_SEPARATOR)
+        if size >= limit:
+            break
+    return WORK_SEPARATOR.join(parts)
+
+
 CORPORA = {"shakespeare": shakespeare_text, "kjv": kjv_text, "mormon": book_of_mormon_text}
 """Corpus name -> its text, for ``CharCorpus.named``."""
+TEXTS = {"shakespeare": shakespeare_text, "kjv": kjv_text, "python": python_source_text}
+"""The fine-tuning grid's corpora (``zeropp accuracy --pretrained``): verse, scripture, code."""
 
 
 class CharCorpus:

@@ -1,0 +1,155 @@
+"""``zeropp accuracy --pretrained --model ... --text ...``: the paired-seed verdict on a user's own
+model and text, run end to end on a tiny Llama with its own tokenizer on 2 x 2 gloo ranks, and
+the clear errors for bad input."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from zeropp.tools.bench import accuracy_pretrained
+from zeropp.tools.cli import build_parser
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser(argv).parse_args(argv)
+    return args.func(args)
+
+TEXT = "\n".join(f"line {i}: the quick brown fox {i % 7} jumps over the lazy dog {i % 11} again and again."
+                 for i in range(600))
+
+
+def _tiny_model(path: Path) -> None:
+    """A 2-layer Llama of width 32 and a word-level tokenizer fitted to ``TEXT``, saved as a user's
+    Hugging Face checkpoint directory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator([TEXT], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=wrapped.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    LlamaForCausalLM(config).save_pretrained(path)
+    wrapped.save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def user_model(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("model")
+    _tiny_model(path)
+    return path
+
+
+@pytest.mark.slow
+def test_a_users_model_and_text_get_a_verdict_per_config_and_a_recommendation(user_model, tmp_path, capsys) -> None:
+    text = tmp_path / "mydata.txt"
+    text.write_text(TEXT)
+    out = tmp_path / "verdict"
+    args = ["accuracy", "--pretrained", "--model", str(user_model), "--text", str(text), "--steps", "4",
+            "--seeds", "0,1", "--pretrained-modes", "all", "--out", str(out)]
+    assert main(args) == 0
+    rows = json.loads((out / "verdict.json").read_text())
+    by_mode = {row["mode"]: row for row in rows}
+    assert set(by_mode) == {"all"}
+    for row in rows:
+        assert row["cell"] == "mydata_present" and row["pairs"] == 2 and row["steps"] == 4
+        assert set(row["per_seed_delta_percent"]) == {"0", "1"}
+        low, high = row["ci95_percent"]
+        assert low <= row["mean_delta_percent"] <= high
+        assert row["zero3_held_out_fall_percent"] is not None
+    assert by_mode["all"]["cross_node_mb_per_step"] == pytest.approx(accuracy_pretrained.cross_node_mb(
+        json.loads((user_model / "config.json").read_text()), "all", accuracy_pretrained.Layout(), "float32"))
+    advice = json.loads((out / "recommendation.json").read_text())
+    assert advice["tolerance_percent"] == 0.3
+    within = [c for c in advice["configs"] if c["upper_end_percent"] is not None and c["upper_end_percent"] <= 0.3]
+    if within:
+        fewest = min(within, key=lambda c: c["cross_node_mb_per_step"])
+        assert advice["recommended"] == fewest["mode"]
+    else:
+        assert advice["recommended"] is None and "no config" in advice["reason"]
+    printed = capsys.readouterr().out
+    assert "recommendation (tolerance 0.3%)" in printed
+    # under torchrun (how --device cuda runs) the runs train in-process on the launched ranks: the same
+    # code on the same batches, so the same losses
+    in_process = tmp_path / "in_process"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m",
+               "zeropp.tools.cli", *args[:-2], "--out", str(in_process)]
+    env = {**os.environ, "ZEROPP_RANKS_PER_NODE": "2", "OMP_NUM_THREADS": "1"}
+    assert subprocess.run(command, env=env, timeout=600).returncode == 0
+    again = {row["mode"]: row for row in json.loads((in_process / "verdict.json").read_text())}
+    assert again["all"]["per_seed_delta_percent"] == pytest.approx(by_mode["all"]["per_seed_delta_percent"], abs=1e-9)
+    # resumable: every run is found, nothing trains again
+    trained = {path: path.stat().st_mtime_ns for path in (out / "runs_work").rglob("metrics.jsonl")}
+    assert len(trained) == 4  # 2 seeds x (zero3, all)
+    assert main(args) == 0
+    assert {path: path.stat().st_mtime_ns for path in (out / "runs_work").rglob("metrics.jsonl")} == trained
+
+
+def _refused(argv: list[str], message: str, capsys) -> None:
+    assert main(argv) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_a_missing_text_file_is_named(user_model, tmp_path, capsys) -> None:
+    _refused(["accuracy", "--pretrained", "--model", str(user_model), "--text", str(tmp_path / "nothere.txt"),
+              "--out", str(tmp_path / "out")], r"^zeropp accuracy: --text .*nothere\.txt: no such file", capsys)
+
+
+def test_text_too_short_for_the_held_out_split_is_named(user_model, tmp_path, capsys) -> None:
+    text = tmp_path / "short.txt"
+    text.write_text("\n".join(TEXT.splitlines()[:190]))  # about 3,000 tokens: enough to train on, not to hold out
+    _refused(["accuracy", "--pretrained", "--model", str(user_model), "--text", str(text), "--out",
+              str(tmp_path / "out")], r"held-out \(last 10%\) part is \d+ tokens; a batch of 8 windows of 65 needs 520",
+             capsys)
+
+
+def test_a_model_that_does_not_load_is_named(tmp_path, capsys) -> None:
+    text = tmp_path / "data.txt"
+    text.write_text(TEXT)
+    (tmp_path / "broken").mkdir()
+    _refused(["accuracy", "--pretrained", "--model", str(tmp_path / "broken"), "--text", str(text), "--out",
+              str(tmp_path / "out")], r"--model .*broken: does not load as a Hugging Face causal LM", capsys)
+
+
+def test_model_without_text_and_cuda_outside_torchrun_are_refused(user_model, tmp_path, capsys) -> None:
+    _refused(["accuracy", "--pretrained", "--model", str(user_model), "--out", str(tmp_path / "out")],
+             "--model and --text go together", capsys)
+    text = tmp_path / "data.txt"
+    text.write_text(TEXT)
+    _refused(["accuracy", "--pretrained", "--model", str(user_model), "--text", str(text), "--device", "cuda",
+              "--out", str(tmp_path / "out")], "--device cuda runs one rank per GPU under torchrun", capsys)
+
+
+def test_the_recommendation_takes_the_fewest_bytes_within_the_tolerance() -> None:
+    def row(mode, interval, mb, cell="c"):
+        return {"mode": mode, "cell": cell, "ci95_percent": interval, "cross_node_mb_per_step": mb}
+
+    rows = [row("all", [0.1, 0.25], 10.0), row("all_delta", [0.05, 0.2], 6.0), row("all_ef", [0.0, 0.1], 12.0),
+            row("zero3_order", [-0.01, 0.01], 40.0)]
+    assert accuracy_pretrained.recommend(rows, 0.3)["recommended"] == "all_delta"
+    # a config over the tolerance in one cell is out, whatever its bytes
+    rows.append(row("all_delta", [0.2, 0.5], 6.0, cell="d"))
+    assert accuracy_pretrained.recommend(rows, 0.3)["recommended"] == "all"
+    advice = accuracy_pretrained.recommend(rows, 0.05)
+    assert advice["recommended"] is None and "the lowest is all_ef's +0.10%" in advice["reason"]
+    # one pair has no interval: never recommended
+    assert accuracy_pretrained.recommend([row("all", None, 1.0)], 0.3)["recommended"] is None
+
+
+def test_the_cost_model_prices_each_config_for_the_users_model(user_model) -> None:
+    """Bytes across nodes per step, from ``zeropp plan``'s cost model: all three send under a quarter
+    of ZeRO-3's, weight differences about half of all three's, qgZ's options the default's bytes."""
+    config = json.loads((user_model / "config.json").read_text())
+    mb = {mode: accuracy_pretrained.cross_node_mb(config, mode, accuracy_pretrained.Layout(), "float32")
+          for mode in ("zero3", "all", "all_delta", "all_ef", "all_rotnorm")}
+    assert 0 < mb["all"] < mb["zero3"] / 4
+    assert 0 < mb["all_delta"] < 0.7 * mb["all"]
+    assert mb["all_ef"] == mb["all_rotnorm"] == mb["all"]
