@@ -169,6 +169,10 @@ MODES: dict[str, Mode] = {mode.name: mode for mode in (
          options={**_ALL, **_SPARE_SMALL}, hpz=True),
     Mode(name="all_ef", summary="all three, qgZ with error feedback", options={**_ALL, "error_feedback": True},
          hpz=True),
+    Mode(name="all_spare_embed", summary="all three, qgZ sending the embedding's, head's and norms' gradients "
+         "unquantized (what 8 bits for them could win at most)",
+         options={**_ALL, "grad_full_precision_parameters": ("*embed*", "*lm_head*", "*norm*", "*.bias", "*ln*")},
+         hpz=True),
     Mode(name="all_int4", summary="all three, qgZ with DeepSpeed's code: INT4 on both hops (the default until "
          "INT8 inside the node)", options={**_ALL, "grad_bits_intra": 4}, hpz=True),
     Mode(name="all_rotnorm", summary="all three, qgZ as in qgz_rotnorm", options={**_ALL, **_ROTNORM}, hpz=True),

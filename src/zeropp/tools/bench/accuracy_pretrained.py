@@ -149,7 +149,7 @@ def run(out_dir: str | Path = "benchmarks/results/accuracy_pretrained", *, cells
     after each; ``data`` gives a cell's model and tokens (default: SmolLM2-135M on the built-in
     corpora)."""
     out_dir, runs_dir = Path(out_dir), Path(runs_dir)
-    cells = list(cells or [Cell(corpus, setting) for corpus in CORPORA for setting in SETTINGS])
+    cells = list(dict.fromkeys(cells or [Cell(corpus, setting) for corpus in CORPORA for setting in SETTINGS]))
     data = data or (lambda cell: builtin_data(cell, runs_dir))
     sources = {cell: data(cell) for cell in cells}
     for cell in cells:
