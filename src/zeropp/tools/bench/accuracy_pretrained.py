@@ -553,8 +553,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "end must stay under (default 0.3)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: run under torchrun, one rank per GPU")
-    parser.add_argument("--nodes", type=int, default=NUM_NODES, help="with --model: nodes the ranks stand for")
-    parser.add_argument("--ranks-per-node", type=int, default=RANKS_PER_NODE)
+    parser.add_argument("--nodes", type=int, default=None,
+                        help=f"with --model: nodes the ranks stand for (default {NUM_NODES}; under torchrun: the "
+                             "launched ranks over --ranks-per-node)")
+    parser.add_argument("--ranks-per-node", type=int, default=None,
+                        help=f"default {RANKS_PER_NODE} (under torchrun: ZEROPP_RANKS_PER_NODE, else torchrun's "
+                             "LOCAL_WORLD_SIZE)")
 
 
 def _modes(args: argparse.Namespace) -> list[str]:
@@ -602,33 +606,52 @@ def _cell(name: str) -> Cell:
 def _run_user(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     if not args.model or not args.text:
         raise ValueError("--model and --text go together: your model (HF id or directory) and a text file of your data")
-    cell = Cell(args.text.stem, args.setting, args.steps)
-    config = cell.config
-    runs_dir = Path(args.runs or out / "runs_work")
-    layout = Layout(args.nodes, args.ranks_per_node, args.device)
     if args.device == "cuda" and not _under_torchrun():
         raise ValueError("--device cuda runs one rank per GPU under torchrun: torchrun --nproc-per-node <GPUs> "
-                         "-m zeropp accuracy --pretrained --device cuda ...")
-    if _under_torchrun():
-        _init_group(layout)
+                         "-m zeropp.tools.cli accuracy --pretrained --device cuda ...")
+    cell = Cell(args.text.stem, args.setting, args.steps)
+    runs_dir = Path(args.runs or out / "runs_work")
+    if not _under_torchrun():
+        layout = Layout(args.nodes or NUM_NODES, args.ranks_per_node or RANKS_PER_NODE, args.device)
+        source = user_data(args.model, args.text, runs_dir, cell.config)
+        return run(out, cells=[cell], seeds=args.seeds or (0, 1, 2), modes=_modes(args), runs_dir=runs_dir,
+                   data=lambda _: source, layout=layout, tolerance=args.tolerance)
+    layout = _torchrun_layout(args)
+    _init_group(layout)
     try:
-        if _is_main():
-            source = user_data(args.model, args.text, runs_dir, config)
-        if _under_torchrun():
-            torch.distributed.barrier()
-            source = user_data(args.model, args.text, runs_dir, config)
+        error = None
+        if _is_main():  # rank 0 converts the model and tokenizes the text once; a bad input stops every rank
+            try:
+                user_data(args.model, args.text, runs_dir, cell.config)
+            except ValueError as failure:
+                error = str(failure)
+        error = _agreed(error)
+        if error is not None:
+            raise ValueError(error)
+        source = user_data(args.model, args.text, runs_dir, cell.config)
         return run(out, cells=[cell], seeds=args.seeds or (0, 1, 2), modes=_modes(args), runs_dir=runs_dir,
                    data=lambda _: source, layout=layout, tolerance=args.tolerance)
     finally:
-        if _under_torchrun():
-            torch.distributed.destroy_process_group()
+        torch.distributed.destroy_process_group()
+
+
+def _torchrun_layout(args: argparse.Namespace) -> Layout:
+    """Under torchrun: the launched ranks as nodes of ``--ranks-per-node`` (default
+    ``ZEROPP_RANKS_PER_NODE``, else torchrun's ``LOCAL_WORLD_SIZE``)."""
+    world_size = int(os.environ["WORLD_SIZE"])
+    per_node = args.ranks_per_node or int(os.environ.get(RANKS_PER_NODE_ENV) or os.environ.get("LOCAL_WORLD_SIZE")
+                                          or world_size)
+    if world_size % per_node or (args.nodes and args.nodes * per_node != world_size):
+        raise ValueError(f"torchrun launched {world_size} ranks, which are not --nodes {args.nodes or '?'} x "
+                         f"--ranks-per-node {per_node}; give a layout whose product is {world_size}")
+    os.environ[RANKS_PER_NODE_ENV] = str(per_node)
+    return Layout(world_size // per_node, per_node, args.device)
 
 
 def _init_group(layout: Layout) -> None:
-    """Under torchrun: the launched ranks' group (NCCL on GPUs), the layout declared for zeropp."""
+    """Under torchrun: the launched ranks' group (NCCL on GPUs)."""
     import torch.distributed as dist
 
-    os.environ.setdefault(RANKS_PER_NODE_ENV, str(layout.ranks_per_node))
     if layout.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if layout.device == "cuda" else "gloo")
