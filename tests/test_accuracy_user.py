@@ -145,12 +145,15 @@ def test_the_recommendation_takes_the_fewest_bytes_within_the_tolerance() -> Non
     assert accuracy_pretrained.recommend([row("all", None, 1.0)], 0.3)["recommended"] is None
 
 
-def test_the_cost_model_prices_each_config_for_the_users_model(user_model) -> None:
-    """Bytes across nodes per step, from ``zeropp plan``'s cost model: all three send under a quarter
-    of ZeRO-3's, weight differences about half of all three's, qgZ's options the default's bytes."""
+def test_the_plan_prices_each_config_for_the_users_model(user_model) -> None:
+    """Bytes one rank sends across nodes per step, from ``zeropp.explain``'s plan (the ledger's
+    bytes): all three under a quarter of ZeRO-3's, weight differences under 0.7x all three's, error
+    feedback and the rotation with normal levels all three's bytes, the embedding's and norms'
+    gradients at 8 bits more, and unquantized more again."""
     config = json.loads((user_model / "config.json").read_text())
     mb = {mode: accuracy_pretrained.cross_node_mb(config, mode, accuracy_pretrained.Layout(), "float32")
-          for mode in ("zero3", "all", "all_delta", "all_ef", "all_rotnorm")}
+          for mode in ("zero3", "all", "all_delta", "all_ef", "all_rotnorm", "all_wide_embed", "all_spare_embed")}
     assert 0 < mb["all"] < mb["zero3"] / 4
     assert 0 < mb["all_delta"] < 0.7 * mb["all"]
     assert mb["all_ef"] == mb["all_rotnorm"] == mb["all"]
+    assert mb["all"] < mb["all_wide_embed"] < mb["all_spare_embed"]

@@ -207,6 +207,17 @@ def test_full_precision_gradients_from_deepspeed_json() -> None:
         ZeroPPConfig(quantized_gradients=True, grad_full_precision_below=1024, grad_levels="normal")
 
 
+def test_wide_gradients_from_deepspeed_json() -> None:
+    """``grad_wide_parameters`` reaches the config under zero_optimization.zeropp; without qgZ, or
+    beside a lower-error gradient code, it is refused by name."""
+    section = {"stage": 3, "zero_quantized_gradients": True, "zeropp": {"grad_wide_parameters": ["*embed*"]}}
+    assert ZeroPPConfig.from_deepspeed({"zero_optimization": section}).grad_wide_parameters == ("*embed*",)
+    with pytest.raises(ValueError, match=r"grad_wide_parameters=\['\*embed\*'\].*qgZ is off.*quantized_gradients=true"):
+        ZeroPPConfig(grad_wide_parameters=("*embed*",))
+    with pytest.raises(ValueError, match=r"grad_wide_parameters=.*grad_rotation='hadamard'"):
+        ZeroPPConfig(quantized_gradients=True, grad_wide_parameters=("*embed*",), grad_rotation="hadamard")
+
+
 def test_low_bit_trainable_weights_need_the_opt_in() -> None:
     with pytest.raises(ValueError, match=r"weight_bits=2 with quantized_weights=true is not allowed.*3 levels"
                                          r".*weight_bits >= 4.*quantized_nontrainable_weights.*low_bit_trainable"):

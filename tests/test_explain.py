@@ -53,6 +53,8 @@ CASES = {
     "1-D, two-hop gather, overlap, error feedback": ("1d", {**ALL, "hierarchical_gather": True, "overlap": True,
                                                              "error_feedback": True, "grad_bits_intra": 8}),
     "1-D, ZeRO-3": ("1d", {}),
+    "1-D, all three, embeddings' and norms' gradients at 8 bits, sliced": (
+        "1d", {**ALL, "grad_wide_parameters": ("*embedding*", "*norm*"), "grad_slice_bytes": 4096}),
     "1-D, all three with weight differences": ("1d", {**ALL, "weight_deltas": True}),
     "1-D, weight differences over a copy kept as codes": ("1d", {"hpz_partition_size": 2, "weight_deltas": True,
                                                                "delta_reference": "codes"}),

@@ -244,6 +244,7 @@ def _qgz_worker(rank: int, world_size: int) -> list[dict]:
             results.append({"reproducible": torch.equal(out, again), "code": str(code),
                             "simulated": torch.equal(out, simulated) if code.rounding == "nearest" else None})
         results += _spared_cases(groups, topology, rank, world_size, chunk, segments)
+        results += _wide_cases(groups, topology, rank, world_size, chunk, segments)
         # AVG is the mean, not ranks-per-node times it (DeepSpeed's bug): all-ones gradients
         ones = torch.ones(world_size * chunk)
         out = torch.empty(chunk)
@@ -282,6 +283,28 @@ def _spared_cases(groups, topology: Topology, rank: int, world_size: int, chunk:
     return results
 
 
+def _wide_cases(groups, topology: Topology, rank: int, world_size: int, chunk: int,
+                segments: list[int]) -> list[dict]:
+    """qgZ at INT4/INT4 with the first parameter's gradient coded at 8 bits on both hops
+    ([Note: wide gradients]): per element, the excess of the error over its own width's bound."""
+    comm = HierarchicalQuantizedReduceScatter(groups, [world_size * s for s in segments], bits_intra=4,
+                                              bits_inter=4, block_size=BLOCK, wide=[True, False])
+    plain = HierarchicalQuantizedReduceScatter(groups, [world_size * s for s in segments], bits_intra=4,
+                                               bits_inter=4, block_size=BLOCK)
+    inputs = [torch.randn(world_size * chunk, generator=torch.Generator().manual_seed(20 + r))
+              for r in range(world_size)]
+    out = torch.empty(chunk)
+    comm(out, inputs[rank].clone(), groups.mesh.get_group(), dist.ReduceOp.AVG)
+    exact, bound4 = reference_and_bound(inputs, topology, rank, segments, 4, 4)
+    _, bound8 = reference_and_bound(inputs, topology, rank, segments, 8, 8)
+    is_wide = torch.cat([torch.full((numel,), flag) for numel, flag in zip(segments, [True, False])])
+    error = (out.double() - exact / world_size).abs()
+    bound = torch.where(is_wide, bound8, bound4) / world_size
+    return [{"wide_excess": (error - bound).max().item(), "wide_error": error[is_wide].max().item(),
+             "int4_bound_there": (bound4[is_wide] / world_size).max().item(),
+             "payload_bytes": (comm.codec(chunk, 4).nbytes, plain.codec(chunk, 4).nbytes)}]
+
+
 @pytest.mark.parametrize("world_size", [pytest.param(w, marks=[pytest.mark.slow] * (w > 4)) for w in sorted(LAYOUTS)])
 def test_hierarchical_reduce_scatter_within_bound(world_size: int) -> None:
     """Against the exact fp32 mean for layouts 1x4, 4x1, 2x2, 2x3, 3x2, 2x4, INT4/INT4 and
@@ -291,7 +314,8 @@ def test_hierarchical_reduce_scatter_within_bound(world_size: int) -> None:
     the lower-error codes (rotation with normal levels, rotation with stochastic rounding, normal
     levels with 8-bit block scales), every
     block within the L2 bound of reference_and_block_bound; with a parameter's gradient spared
-    (fp32, bf16) or all of them, spared elements within fp32 summation of the exact mean."""
+    (fp32, bf16) or all of them, spared elements within fp32 summation of the exact mean; with a
+    parameter's gradient coded at 8 bits (``wide``), its elements within INT8's bound."""
     all_ranks = run_distributed(_qgz_worker, world_size)
     worst: dict = {}  # (layout, dtype) -> (max error, max bound) over the ranks; shown with -s
     for r in (r for rank_results in all_ranks for r in rank_results if "excess" in r):
@@ -301,7 +325,12 @@ def test_hierarchical_reduce_scatter_within_bound(world_size: int) -> None:
     print(worst)
     for rank_results in all_ranks:
         for r in rank_results:
-            if "spared" in r:  # spared gradients exact up to fp32 summation, the others within the bound
+            if "wide_excess" in r:  # wide gradients within INT8's bound, far below INT4's; the others INT4's
+                assert r["wide_excess"] <= 0, r
+                assert 0 < r["wide_error"] < r["int4_bound_there"] / 4, r
+                wide_bytes, plain_bytes = r["payload_bytes"]
+                assert wide_bytes > plain_bytes, r
+            elif "spared" in r:  # spared gradients exact up to fp32 summation, the others within the bound
                 assert r["spared_excess"] <= 0, r
                 assert r["quantized_error"] is None or r["quantized_error"] > 1e-3, r
             elif "reproducible" in r:  # stochastic rounding replays with its seed; the benchmark's

@@ -162,6 +162,7 @@ _ZEROPP_CHECKS: dict[str, Checker] = {
     "unquantized_parameters": _PATTERNS,
     "grad_full_precision_parameters": _PATTERNS,
     "grad_full_precision_below": _NON_NEGATIVE_INT,
+    "grad_wide_parameters": _PATTERNS,
     **dict.fromkeys(("grad_bits_intra", "grad_bits_inter"), _GRAD_BITS),
     "grad_rotation": _GRAD_ROTATION,
     "grad_rounding": _GRAD_ROUNDING,
@@ -262,6 +263,13 @@ class ZeroPPConfig(_KeyedConfig):
     as ``grad_full_precision_parameters`` does; 0 = none. LayerNorm weights and biases are tiny in
     bytes (under 0.5% of a GPT's) and carry most of INT4's error per element ([Note: full-precision
     gradients])."""
+    grad_wide_parameters: tuple[str, ...] = ()
+    """qgZ: fnmatch patterns of parameter names whose gradients travel at 8 bits on both hops (the
+    others at ``grad_bits_intra`` and ``grad_bits_inter``), inside the same payloads, e.g.
+    ``("*embed*", "*norm*")``: a middle way between the default code and
+    ``grad_full_precision_parameters`` (twice INT4's bytes for them instead of 7.8x), for the
+    parameters where the audit or the accuracy verdict finds the error. Needs the plain block code,
+    as sparing does. See zeropp.techniques.qgz [Note: wide gradients]."""
     grad_scale_bits: int = 32
     """qgZ: 8 sends each gradient block's scale as an 8-bit code under one fp32 scale per 16
     blocks, so ``grad_block_size=64`` costs 4.156 bits per element at INT4 where blocks of 256
@@ -323,6 +331,16 @@ class ZeroPPConfig(_KeyedConfig):
             raise ValueError(f"{key('grad_full_precision_parameters')}={list(self.grad_full_precision_parameters)} "
                              "chooses gradients qgZ leaves unquantized, but qgZ is off: set "
                              f"{key('quantized_gradients')}=true or leave it empty")
+        if self.grad_wide_parameters and not self.quantized_gradients:
+            raise ValueError(f"{key('grad_wide_parameters')}={list(self.grad_wide_parameters)} chooses gradients "
+                             f"qgZ codes at 8 bits, but qgZ is off: set {key('quantized_gradients')}=true or leave it "
+                             "empty")
+        if self.grad_wide_parameters and self.quantized_gradients and not self.gradient_code.is_plain:
+            raise ValueError(f"{key('grad_wide_parameters')}={list(self.grad_wide_parameters)} codes some gradients "
+                             "at 8 bits, which the plain block code does and the lower-error codes do not "
+                             f"({key('grad_rotation')}={self.grad_rotation!r}, {key('grad_rounding')}="
+                             f"{self.grad_rounding!r}, {key('grad_levels')}={self.grad_levels!r}, "
+                             f"{key('grad_scale_bits')}={self.grad_scale_bits}): leave those at their defaults")
         spares = self.grad_full_precision_parameters or self.grad_full_precision_below
         if spares and self.quantized_gradients and not self.gradient_code.is_plain:
             raise ValueError(f"{key('grad_full_precision_parameters')}={list(self.grad_full_precision_parameters)} / "
@@ -612,7 +630,7 @@ _DEEPSPEED_KEYS: dict[str, tuple[str, str]] = {
         ("training", "gather_16bit_weights_on_model_save"),
     **{f"zero_optimization.zeropp.{name}": ("zeropp", name) for name in (
         "block_size", "weight_bits", "weight_code", "unquantized_parameters", "grad_full_precision_parameters",
-        "grad_full_precision_below", "grad_bits_intra", "grad_bits_inter",
+        "grad_full_precision_below", "grad_wide_parameters", "grad_bits_intra", "grad_bits_inter",
         "quantize_intra_node_weights", "error_feedback", "low_bit_trainable_weights", "grad_rotation",
         "grad_rounding", "grad_levels", "grad_block_size", "grad_scale_bits", "overlap", "hierarchical_gather",
         "grad_slice_bytes", "quantized_replica_gradients", "audit_every", "audit_fallback", "weight_deltas",

@@ -299,7 +299,8 @@ def _qgz(plan: Plan, unit: UnitPlan, trainable: Sequence[int], rank: int) -> lis
     comm = HierarchicalQuantizedReduceScatter(
         None, list(trainable), bits_intra=config.grad_bits_intra, bits_inter=config.grad_bits_inter,
         block_size=config.gradient_block_size, code=config.gradient_code, full_precision=list(unit.spared),
-        slice_bytes=config.grad_slice_bytes, shard=ShardGroups(placement, unit.shard_ranks, None, None))
+        wide=list(unit.wide), slice_bytes=config.grad_slice_bytes,
+        shard=ShardGroups(placement, unit.shard_ranks, None, None))
     chunk = sum(trainable) // layout.shard_group_size
     pieces = comm.slices(chunk)
     mine = unit.shard_ranks.index(rank)

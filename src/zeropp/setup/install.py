@@ -131,7 +131,8 @@ def _comms(module: CommGroup, planned: UnitPlan, groups: ProcessGroups, config: 
         reduce_scatter = HierarchicalQuantizedReduceScatter(
             groups, trainable, bits_intra=config.grad_bits_intra, bits_inter=config.grad_bits_inter,
             block_size=config.gradient_block_size, error_feedback=config.error_feedback, code=config.gradient_code,
-            full_precision=list(planned.spared), slice_bytes=config.grad_slice_bytes, shard=shard)
+            full_precision=list(planned.spared), wide=list(planned.wide), slice_bytes=config.grad_slice_bytes,
+            shard=shard)
     else:
         reduce_scatter = CountingReduceScatter(topology)
     if planned.replicas == "quantized":

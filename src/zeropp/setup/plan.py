@@ -91,6 +91,9 @@ class UnitPlan:
     shard_layout: tuple[tuple[int, ...], ...] | None = None
     """Every shard group of the unit's mesh, each its global ranks (filled by the ranks' exchange);
     None for a unit sharded over the world."""
+    wide: tuple[bool, ...] = ()
+    """Per trainable parameter: qgZ codes its gradient at 8 bits on both hops
+    (``grad_wide_parameters``); empty: none."""
 
     @property
     def gathers(self) -> str:
@@ -236,7 +239,7 @@ def _model_refusals(model: nn.Module, config: ZeroPPConfig, topology: Topology) 
     """The checks that need the model and the topology but no unit: hpZ's size, the name patterns."""
     refusals = _refused(check_hpz, config.hpz_partition_size, topology, config.key_of("hpz_partition_size"))
     names = [name for name, _ in model.named_parameters()]
-    for key in ("unquantized_parameters", "grad_full_precision_parameters"):
+    for key in ("unquantized_parameters", "grad_full_precision_parameters", "grad_wide_parameters"):
         for pattern in getattr(config, key):
             if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
                 refusals.append(f"{config.key_of(key)} pattern {pattern!r} matches no parameter of "
@@ -288,8 +291,10 @@ def _plan(config: ZeroPPConfig, topology: Topology, planned: list, scalar_bytes:
         replicas = "none" if replica_ranks is None else ("quantized" if config.quantized_replica_gradients
                                                          else "fsdp")
         gradients = "qgZ" if config.quantized_gradients else "fsdp"
+        wide = tuple(any(fnmatch.fnmatchcase(layout.names[i], pattern) for pattern in config.grad_wide_parameters)
+                     for i in trainable) if config.grad_wide_parameters else ()
         units.append(UnitPlan(name, kind, layout, tuple(shard_ranks), replica_ranks, tuple(quantized), tuple(spared),
-                              secondary, partition, gradients, replicas))
+                              secondary, partition, gradients, replicas, wide=wide))
     if self_gathered and (config.quantized_weights or config.quantized_nontrainable_weights or hpz_mesh):
         warnings.append(
             f"zeropp: {len(self_gathered)} unit(s) ({', '.join(self_gathered[:3])}"

@@ -29,6 +29,9 @@ from zeropp.setup.topology import ProcessGroups, ShardGroups
 from zeropp.techniques.audit import TECHNIQUE as AUDIT_TECHNIQUE
 from zeropp.techniques.audit import Auditable, Request, Tally
 
+WIDE_BITS = 8
+"""Bits of ``grad_wide_parameters``' gradients on both hops ([Note: wide gradients])."""
+
 
 def full_precision_gradients(names: Sequence[str], shapes: Sequence[torch.Size], patterns: Sequence[str],
                              below: int) -> list[bool]:
@@ -131,6 +134,14 @@ class HierarchicalQuantizedReduceScatter(Auditable, LateReduceScatter):
     is not laid out as the unit's parameters (a parameter got no gradient this step), its
     parameters cannot be told apart, and the whole chunk travels unquantized if any parameter is
     spared: exact, never less precise than asked.
+
+    [Note: wide gradients]
+    ``wide`` marks parameters whose gradients are coded at ``WIDE_BITS`` (8) on both hops while the
+    others take the hops' bits: their segments of the same payloads carry 8-bit codes, so the
+    all-to-alls stay one per hop, and each segment's bound is its own width's. It is for the few
+    parameters whose gradients carry the code's error (an embedding whose rows few tokens touch,
+    norms, biases) at twice INT4's bytes for them rather than fp32's 7.8x. A chunk not laid out
+    as the unit's parameters is coded at 8 bits whole if any parameter is wide.
     """
 
     technique = "qgZ"
@@ -138,7 +149,7 @@ class HierarchicalQuantizedReduceScatter(Auditable, LateReduceScatter):
     def __init__(self, groups: ProcessGroups | None, padded_numels: list[int], *, bits_intra: int,
                  bits_inter: int, block_size: int, error_feedback: bool = False,
                  code: GradientCode | None = None, seed: int = 0, full_precision: Sequence[bool] | None = None,
-                 slice_bytes: int | None = None, shard: ShardGroups | None = None,
+                 wide: Sequence[bool] | None = None, slice_bytes: int | None = None, shard: ShardGroups | None = None,
                  ledger: CommLedger | None = None) -> None:
         super().__init__(groups.topology if groups is not None else shard.placement, ledger)
         self.groups = shard if shard is not None else groups.shard_groups()
@@ -154,6 +165,12 @@ class HierarchicalQuantizedReduceScatter(Auditable, LateReduceScatter):
         if len(self.full_precision) != len(padded_numels):
             raise ValueError(f"full_precision has {len(self.full_precision)} flags for {len(padded_numels)} "
                              "parameters; give one per entry of padded_numels")
+        self.wide = list(wide) if wide else [False] * len(padded_numels)
+        """Per parameter of ``padded_numels``: its gradient is coded at ``WIDE_BITS`` on both hops
+        ([Note: wide gradients])."""
+        if len(self.wide) != len(padded_numels):
+            raise ValueError(f"wide has {len(self.wide)} flags for {len(padded_numels)} parameters; give one per "
+                             "entry of padded_numels")
         self.bits_intra, self.bits_inter, self.block_size = bits_intra, bits_inter, block_size
         self.error_feedback = error_feedback
         self.code = code if code is not None else GradientCode()
@@ -176,8 +193,12 @@ class HierarchicalQuantizedReduceScatter(Auditable, LateReduceScatter):
             if sum(self.padded_numels) == chunk_numel * world_size:
                 quantized = [not spared for spared in self.full_precision]
                 segments = segments_for(self.padded_numels, quantized, world_size, bits, grouped_scales=grouped)
-            else:  # parameters cannot be told apart ([Note: full-precision gradients])
-                segments = segments_for([chunk_numel], [not any(self.full_precision)], 1, bits,
+                segments = [dataclasses.replace(segment, bits=max(segment.bits, WIDE_BITS))
+                            if wide and segment.bits is not None else segment
+                            for segment, wide in zip(segments, self.wide, strict=True)]
+            else:  # parameters cannot be told apart ([Note: full-precision gradients], [Note: wide gradients])
+                width = max(bits, WIDE_BITS) if any(self.wide) else bits
+                segments = segments_for([chunk_numel], [not any(self.full_precision)], 1, width,
                                         grouped_scales=grouped)
             self._codecs[key] = ChunkCodec(segments, self.block_size, torch.float32, self.code)
         return self._codecs[key]

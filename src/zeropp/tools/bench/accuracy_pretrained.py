@@ -36,8 +36,8 @@ whole pairs in every cell.
 ``--model <HF id or path> --text <file>`` runs the same protocol on a user's model and text: one
 cell, the modes given (ZeRO-3, the control and every config to judge), a verdict per config and the
 recommendation: of the configs whose 95% upper end stays under ``--tolerance``, the one sending the
-fewest bytes across nodes per step (``zeropp plan``'s cost model for the model on the job's
-layout). A config measured on one pair has no interval and is never recommended. On a CPU machine
+fewest bytes across nodes per step (``zeropp.explain``'s plan of the model on the job's layout,
+whose bytes are the ledger's). A config measured on one pair has no interval and is never recommended. On a CPU machine
 the command launches the ranks itself (gloo); under torchrun (``--device cuda`` on GPUs) every rank
 runs it and the runs train in-process on the launched group.
 """
@@ -334,10 +334,22 @@ def cell_rows(cell_dir: Path) -> list[dict[str, Any]]:
             "gathered_mean_delta_percent": mean(list(gathered.values())) if gathered else None,
             "final_val_loss_full": mean([final(runs[seed][mode]) for seed in deltas]) if deltas else None,
             "zero3_held_out_fall_percent": fall,
-            "cross_node_mb_per_step": None if model_config is None or mode == CONTROL else cross_node_mb(
-                model_config, mode, layout, settings["compute_dtype"]),
+            "cross_node_mb_per_step": None if model_config is None or mode == CONTROL else _priced(
+                cell_dir, model_config, mode, layout, settings["compute_dtype"]),
         })
     return rows
+
+
+def _priced(cell_dir: Path, model_config: dict[str, Any], mode: str, layout: Layout, compute_dtype: str
+            ) -> float | None:
+    """``cross_node_mb``, kept in ``cell_dir/cross_node_mb.json`` (a plan of a 30-layer model takes
+    seconds, and the report runs after every run); ``--report-only`` prices afresh."""
+    path = cell_dir / "cross_node_mb.json"
+    known = json.loads(path.read_text()) if path.exists() else {}
+    if mode not in known:
+        known[mode] = cross_node_mb(model_config, mode, layout, compute_dtype)
+        path.write_text(json.dumps(known, indent=1, sort_keys=True) + "\n")
+    return known[mode]
 
 
 def upper_end(row: dict[str, Any]) -> float | None:
@@ -474,26 +486,24 @@ def plot(path: Path, runs: Runs, title: str, shown: Sequence[str] = (BASELINE, "
 
 
 def cross_node_mb(model_config: dict[str, Any], mode: str, layout: Layout, compute_dtype: str) -> float | None:
-    """Bytes one node sends the others per step under ``mode`` (``zeropp plan``'s cost model for the
-    model on the job's layout), in MB; None for a mode the model does not price. The model prices
-    every gradient as coded: a config sending small parameters' gradients in full precision
-    (``all_spare``) sends a little more (norms: 0.03% of SmolLM2-135M's elements)."""
-    from transformers import AutoConfig
+    """Bytes one rank sends across nodes per step under ``mode``, in MB: ``zeropp.explain``'s plan of
+    the model (built on the meta device, one unit per decoder layer) on the job's layout, whose
+    bytes are the ledger's; None for a mode that is not a zeropp config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    from zeropp.setup.explain import explain
     from zeropp.setup.topology import Topology
-    from zeropp.tools.plan.cost import cross_node_bytes_per_node
-    from zeropp.tools.plan.model import hf
-    from zeropp.tools.plan.traffic import Precision, step_transfers
 
-    config = AutoConfig.for_model(**model_config)
-    topology = Topology(layout.num_nodes, layout.ranks_per_node)
-    precision = Precision(gather_dtype=getattr(torch, compute_dtype), reduce_dtype=torch.float32)
     try:
-        sharding = finetune.FINETUNE_MODES[mode].config(layout.ranks_per_node)
-        transfers = step_transfers(hf(config), sharding, topology, precision)
+        sharding = finetune.FINETUNE_MODES[mode].config(
+            layout.ranks_per_node, param_dtype=getattr(torch, compute_dtype), reduce_dtype=torch.float32)
     except (KeyError, ValueError):
         return None
-    return cross_node_bytes_per_node([t for unit in transfers for t in unit], topology, "gloo") / 1e6
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**model_config))
+    plan = explain(model, sharding, topology=Topology(layout.num_nodes, layout.ranks_per_node),
+                   units=[finetune.decoder_layer_type(model)])
+    return plan.cross_node_bytes / 1e6
 
 
 def user_data(model: str, text_file: Path, runs_dir: Path, config: finetune.FinetuneConfig) -> Data:
@@ -581,6 +591,8 @@ def _run_from_args(args: argparse.Namespace) -> int:
     default_out = "zeropp-accuracy" if args.model else "benchmarks/results/accuracy_pretrained"
     out = args.out or default_out
     if args.report_only:
+        for prices in Path(out).glob("*/cross_node_mb.json"):  # the code may have changed since: price afresh
+            prices.unlink()
         result = report(out, args.tolerance)
     elif args.model or args.text:
         result = _run_user(args, Path(out))
