@@ -375,12 +375,14 @@ def recommend(rows: Sequence[dict[str, Any]], tolerance: float) -> dict[str, Any
         ends = [row["ci95_percent"][1] if row["ci95_percent"] is not None else None for row in mine]
         bytes_ = mine[0]["cross_node_mb_per_step"]
         judged.append({"mode": mode, "upper_end_percent": None if None in ends else max(ends),
-                       "cross_node_mb_per_step": bytes_})
+                       "cross_node_mb_per_step": bytes_, "cells": len(mine)})
     within = [j for j in judged if j["upper_end_percent"] is not None and j["upper_end_percent"] <= tolerance]
     within.sort(key=lambda j: (j["cross_node_mb_per_step"] is None, j["cross_node_mb_per_step"] or 0.0))
     if within:
         best = within[0]
-        reason = (f"{best['mode']}: 95% upper end {best['upper_end_percent']:+.2f}% <= {tolerance}%, "
+        cells = len({row["cell"] for row in rows})
+        where = f" in the {best['cells']} of {cells} cells it was measured in" if best["cells"] < cells else ""
+        reason = (f"{best['mode']}: 95% upper end {best['upper_end_percent']:+.2f}% <= {tolerance}%{where}, "
                   + (f"{best['cross_node_mb_per_step']:.1f} MB across nodes per step, the fewest of those within"
                      if best['cross_node_mb_per_step'] is not None else "the first within"))
         return {"recommended": best["mode"], "tolerance_percent": tolerance, "reason": reason, "configs": judged}
