@@ -172,9 +172,9 @@ MODES: dict[str, Mode] = {mode.name: mode for mode in (
     Mode(name="all_wide_embed", summary="all three, qgZ coding the embedding's and norms' gradients at 8 bits on "
          "both hops (grad_wide_parameters)",
          options={**_ALL, "grad_wide_parameters": ("*embed*", "*norm*")}, hpz=True),
-    Mode(name="all_spare_embed", summary="all three, qgZ sending the embedding's, head's and norms' gradients "
-         "unquantized (what 8 bits for them could win at most)",
-         options={**_ALL, "grad_full_precision_parameters": ("*embed*", "*lm_head*", "*norm*", "*.bias", "*ln*")},
+    Mode(name="all_spare_embed", summary="all three, qgZ sending the embedding's and norms' gradients unquantized "
+         "(what 8 bits for them could win at most)",
+         options={**_ALL, "grad_full_precision_parameters": ("*embed*", "*norm*")},
          hpz=True),
     Mode(name="all_int4", summary="all three, qgZ with DeepSpeed's code: INT4 on both hops (the default until "
          "INT8 inside the node)", options={**_ALL, "grad_bits_intra": 4}, hpz=True),
