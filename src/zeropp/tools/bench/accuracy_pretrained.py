@@ -127,16 +127,7 @@ class Layout:
 def builtin_data(cell: Cell, runs_dir: Path) -> Data:
     """SmolLM2-135M (converted once) and the cell's corpus tokenized by its tokenizer (once)."""
     model_file, tokens_file = runs_dir / "smollm2.pt", runs_dir / "data" / f"{cell.corpus}.pt"
-    if not model_file.exists() or not tokens_file.exists():
-        from zeropp.tools.models.smollm import load_smollm2
-
-        print(f"converting the GGUF file and tokenizing {cell.corpus} into {runs_dir}", flush=True)
-        model, tokenizer = load_smollm2()
-        tokens_file.parent.mkdir(parents=True, exist_ok=True)
-        if not tokens_file.exists():
-            torch.save(finetune.tokenize(TEXTS[cell.corpus](), lambda part: tokenizer.encode(part).ids), tokens_file)
-        if not model_file.exists():
-            torch.save({"config": model.config.to_dict(), "state": model.state_dict()}, model_file)
+    finetune.prepare_files(model_file, tokens_file, TEXTS[cell.corpus])
     return Data(MODEL, model_file, tokens_file)
 
 
@@ -625,16 +616,26 @@ def _run_user(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                          "-m zeropp.tools.cli accuracy --pretrained --device cuda ...")
     cell = Cell(args.text.stem, args.setting, args.steps)
     runs_dir = Path(args.runs or out / "runs_work")
-    if not _under_torchrun():
+    if _under_torchrun():
+        layout = _torchrun_layout(args)
+        _init_group(layout)
+    else:
         layout = Layout(args.nodes or NUM_NODES, args.ranks_per_node or RANKS_PER_NODE, args.device)
-        source = user_data(args.model, args.text, runs_dir, cell.config)
+    try:
+        source = _user_data_once(args, runs_dir, cell)
         return run(out, cells=[cell], seeds=args.seeds or (0, 1, 2), modes=_modes(args), runs_dir=runs_dir,
                    data=lambda _: source, layout=layout, tolerance=args.tolerance)
-    layout = _torchrun_layout(args)
-    _init_group(layout)
-    try:
+    finally:
+        if _under_torchrun():
+            torch.distributed.destroy_process_group()
+
+
+def _user_data_once(args: argparse.Namespace, runs_dir: Path, cell: Cell) -> Data:
+    """``user_data``; under torchrun rank 0 converts the model and tokenizes the text first, and a
+    bad input there stops every rank with its message (no rank waits for a peer that stopped)."""
+    if _under_torchrun():
         error = None
-        if _is_main():  # rank 0 converts the model and tokenizes the text once; a bad input stops every rank
+        if _is_main():
             try:
                 user_data(args.model, args.text, runs_dir, cell.config)
             except ValueError as failure:
@@ -642,11 +643,7 @@ def _run_user(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         error = _agreed(error)
         if error is not None:
             raise ValueError(error)
-        source = user_data(args.model, args.text, runs_dir, cell.config)
-        return run(out, cells=[cell], seeds=args.seeds or (0, 1, 2), modes=_modes(args), runs_dir=runs_dir,
-                   data=lambda _: source, layout=layout, tolerance=args.tolerance)
-    finally:
-        torch.distributed.destroy_process_group()
+    return user_data(args.model, args.text, runs_dir, cell.config)
 
 
 def _torchrun_layout(args: argparse.Namespace) -> Layout:

