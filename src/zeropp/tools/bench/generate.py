@@ -68,9 +68,10 @@ def build(mode: str, config: GenerateConfig, vocab_size: int, topology: Any) -> 
                           num_layers=config.num_layers, num_heads=config.num_heads, embed_dim=config.embed_dim))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if MODES[sharding_mode(mode)].system is System.DEEPSPEED:
-        import deepspeed
+        from zeropp.tools.bench.worker import import_deepspeed
 
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # the policy runs on CPU tensors
+        deepspeed = import_deepspeed()
         ds_config = {"train_micro_batch_size_per_gpu": config.prompts_per_rank, "gradient_clipping": 0.0,
                      "zero_optimization": {"stage": 3}}
         engine, optimizer, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)

@@ -266,19 +266,31 @@ def deepspeed_config(config: WorkerConfig, world_size: int,
     }
 
 
+def import_deepspeed() -> Any:
+    """DeepSpeed for the peer modes (DS_ACCELERATOR=cpu without CUDA). On CPU its backend would
+    compile a shared-memory all-reduce at its first initialisation (a C++ build of one to three
+    minutes on a small machine, then cached) that only its inference all-reduce calls; ZeRO-3's
+    collectives never do, so the peer runs without it and its steps are unchanged."""
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        import deepspeed
+        import deepspeed.ops
+    except ImportError as error:
+        raise RuntimeError("mode 'deepspeed' needs DeepSpeed: DS_BUILD_OPS=0 pip install "
+                           "--no-build-isolation deepspeed==0.19.8") from error
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    if os.environ["DS_ACCELERATOR"] == "cpu":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return deepspeed
+
+
 class DeepSpeedTrainer(Trainer):
     """DeepSpeed ZeRO-3 on the same model, optimizer and batches (DS_ACCELERATOR=cpu without CUDA;
     the process group is the one already initialised, gloo here)."""
 
     def __init__(self, model: nn.Module, corpus: CharCorpus, config: WorkerConfig,
                  zero_options: Mapping[str, Any] | None = None) -> None:
-        os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
-        try:
-            import deepspeed
-        except ImportError as error:
-            raise RuntimeError("mode 'deepspeed' needs DeepSpeed: DS_BUILD_OPS=0 pip install "
-                               "--no-build-isolation deepspeed==0.19.8") from error
-        deepspeed.utils.logger.setLevel(logging.WARNING)
+        deepspeed = import_deepspeed()
         super().__init__(model, corpus, config)
         self.model, self.optimizer, *_ = deepspeed.initialize(
             model=model, optimizer=self.optimizer,
