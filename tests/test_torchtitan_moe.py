@@ -116,12 +116,18 @@ def _worker(rank: int, world_size: int, layout: str) -> dict:
         hpz = "accepted"
     except ValueError as error:
         hpz = str(error)
+    try:
+        _run(zeropp.ZeroPPConfig(hpz_partition_size=2, weight_deltas=True), world_size, layout=layout)
+        deltas = "accepted"
+    except ValueError as error:
+        deltas = str(error)
     return {"losses": {k: r["loss"] for k, r in (("reference", reference), ("zero3", zero3), ("qwz", weights),
                                                    ("both", both))},
             "zero3_equal": all(torch.equal(zero3["grads"][n], g) for n, g in reference["grads"].items()),
             "excess": excess, "max_error": max((both["grads"][n] - g).abs().max().item()
                                                for n, g in weights["grads"].items()),
-            "ledger": both["ledger"], "explained": both["explained"], "table": both["table"], "hpz": hpz}
+            "ledger": both["ledger"], "explained": both["explained"], "table": both["table"], "hpz": hpz,
+            "deltas": deltas}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
@@ -151,7 +157,8 @@ def test_expert_parallel_qwz_and_qgz_within_their_bounds(moe: list[dict]) -> Non
 def test_expert_parallel_plan_and_ledger(moe: list[dict]) -> None:
     """``explain`` shows each block's two groups (the experts over one rank per node) and its
     bytes are the ledger's; the ledger counts torchtitan's token exchanges apart; hpZ, which has
-    no node partition to keep for the experts, is refused by name."""
+    no node partition to keep for the experts, is refused by name, and so are weight differences,
+    which keep their copy in that partition."""
     for index, rank in enumerate(moe):
         ledger = {technique: totals["bytes"] for technique, totals in rank["ledger"].items()}
         explained = {technique: totals["bytes"] for technique, totals in rank["explained"].items()}
@@ -161,3 +168,4 @@ def test_expert_parallel_plan_and_ledger(moe: list[dict]) -> None:
         experts = "ranks 0,2" if index % 2 == 0 else "ranks 1,3"  # efsdp: one rank of each node
         assert f"{experts} on 2 nodes" in rank["table"], rank["table"]
         assert "hpz_partition_size=2" in rank["hpz"] and "no partition" in rank["hpz"], rank["hpz"]
+        assert rank["deltas"] == rank["hpz"]
