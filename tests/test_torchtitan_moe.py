@@ -103,6 +103,15 @@ def _run(config: zeropp.ZeroPPConfig | None, world_size: int, contributions: boo
             "table": None if explained is None else str(explained)}
 
 
+def _refusal(config: zeropp.ZeroPPConfig, world_size: int, layout: str) -> str:
+    """The error ``config`` is refused with on ``layout``, or "accepted"."""
+    try:
+        _run(config, world_size, layout=layout)
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
 def _worker(rank: int, world_size: int, layout: str) -> dict:
     reference = _run(None, world_size, layout=layout)
     zero3 = _run(zeropp.ZeroPPConfig(), world_size, layout=layout)
@@ -111,16 +120,8 @@ def _worker(rank: int, world_size: int, layout: str) -> dict:
     # each rank's contribution is coded at most twice: as a row (hop 1, INT8 or INT4) and inside its
     # node's partial (hop 2, INT4)
     excess = contributions_excess(both["grads"], weights["grads"], weights["contributions"], hops=2)
-    try:
-        _run(zeropp.ZeroPPConfig(hpz_partition_size=2), world_size, layout=layout)
-        hpz = "accepted"
-    except ValueError as error:
-        hpz = str(error)
-    try:
-        _run(zeropp.ZeroPPConfig(hpz_partition_size=2, weight_deltas=True), world_size, layout=layout)
-        deltas = "accepted"
-    except ValueError as error:
-        deltas = str(error)
+    hpz = _refusal(zeropp.ZeroPPConfig(hpz_partition_size=2), world_size, layout)
+    deltas = _refusal(zeropp.ZeroPPConfig(hpz_partition_size=2, weight_deltas=True), world_size, layout)
     return {"losses": {k: r["loss"] for k, r in (("reference", reference), ("zero3", zero3), ("qwz", weights),
                                                    ("both", both))},
             "zero3_equal": all(torch.equal(zero3["grads"][n], g) for n, g in reference["grads"].items()),
