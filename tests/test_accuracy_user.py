@@ -155,3 +155,11 @@ def test_the_plan_prices_each_config_for_the_users_model(user_model) -> None:
     assert 0 < mb["all_delta"] < 0.7 * mb["all"]
     assert mb["all_ef"] == mb["all_rotnorm"] == mb["all"]
     assert mb["all"] < mb["all_wide_embed"] < mb["all_spare_embed"]
+    # the budget's widened units, priced as the run's audit found them; none widened: all three's bytes
+    assert accuracy_pretrained.cross_node_mb(config, "all_budget", accuracy_pretrained.Layout(), "float32") == mb["all"]
+    widened = accuracy_pretrained.cross_node_mb(config, "all_budget", accuracy_pretrained.Layout(), "float32",
+                                                ("the root",))
+    assert mb["all"] < widened < mb["all_spare_embed"]
+    records = [{"step": 1, "audit": [{"unit": "the root", "widened": True},
+                                     {"unit": "model.layers.0", "widened": False}]}]
+    assert accuracy_pretrained.widened_units(records) == ("the root",)

@@ -256,3 +256,82 @@ def test_engine_logs_the_audit() -> None:
     assert all("within its bound" in line for line in logged)
     assert {"qwZ" in line for line in logged} == {True, False}
     assert results[1]["logged"] == []
+
+
+# ---- a per-unit error budget ([Note: a per-unit error budget]) ------------------------------
+
+def _qgz_cross_node_bytes() -> int:
+    return zeropp.comm_ledger().summary(technique="qgZ")["total"]["cross_node_bytes"]
+
+
+def _budget_run(rank: int, world_size: int, budget: float) -> dict:
+    """Step 1 with the budget (every unit's qgZ audited), then steps 2-4; beside it, the same
+    step 1 without the budget, and steps 2-4 from its state with every gradient at 8 bits."""
+    model = zeropp.shard(make_model("gpt"), zeropp.ZeroPPConfig(**ALL, audit_every=1000, grad_error_budget=budget))
+    optimizer, first = _train(rank, world_size, model, 1)
+    zeropp.comm_ledger().reset()
+    _, later = _train(rank, world_size, model, 3, optimizer)
+    budget_bytes = _qgz_cross_node_bytes()
+    result = {"rows": [vars(row) for row in zeropp.audit_report(model)], "losses": first + later,
+              "budget_bytes": budget_bytes}
+    plain = zeropp.shard(make_model("gpt"), zeropp.ZeroPPConfig(**ALL))
+    plain_optimizer, plain_first = _train(rank, world_size, plain, 1)
+    wide = zeropp.shard(make_model("gpt"), zeropp.ZeroPPConfig(**ALL, grad_wide_parameters=("*",)))
+    wide.load_state_dict(plain.state_dict())
+    wide_optimizer = torch.optim.AdamW(wide.parameters(), lr=3e-3)
+    wide_optimizer.load_state_dict(plain_optimizer.state_dict())
+    zeropp.comm_ledger().reset()
+    _, wide_later = _train(rank, world_size, wide, 3, wide_optimizer)
+    result.update(wide_losses=plain_first + wide_later, wide_bytes=_qgz_cross_node_bytes())
+    zeropp.comm_ledger().reset()
+    _train(rank, world_size, plain, 3, plain_optimizer)
+    result["plain_bytes"] = _qgz_cross_node_bytes()
+    return result
+
+
+def test_units_over_the_error_budget_go_to_8_bits_on_every_rank() -> None:
+    """A budget under every unit's 4-bit error: the first forward audits every unit's qgZ, every
+    unit widens, and steps 2-4 are bit for bit a run whose gradients all travel at 8 bits from
+    the same state, at its cross-node bytes (more than 4-bit's)."""
+    results = run_distributed(_budget_run, 4, 1e-9, env=ENV)
+    result = results[0]
+    first = [row for row in result["rows"] if row["step"] == 1]
+    assert {row["technique"] for row in first} == {"qgZ"} and len(first) == 3  # the root and two blocks
+    assert all(row["widened"] and row["within_bound"] for row in first)
+    assert result["losses"] == result["wide_losses"]
+    assert result["budget_bytes"] == result["wide_bytes"] > 1.5 * result["plain_bytes"]
+    for other in results[1:]:
+        assert other["rows"] == result["rows"] and other["losses"] == other["wide_losses"]
+
+
+def test_units_under_the_error_budget_keep_their_bits() -> None:
+    """A budget between the units' errors widens exactly the units above it, and a budget over
+    every unit's error widens none: the run is then the plain one, bytes and all."""
+    calibration = run_distributed(_budget_run, 4, 1e-9, env=ENV)[0]
+    errors = sorted(row["relative_error"] for row in calibration["rows"] if row["step"] == 1)
+    assert errors[0] < errors[-1]
+    middle = (errors[0] + errors[-1]) / 2
+    result = run_distributed(_budget_run, 4, middle, env=ENV)[0]
+    first = [row for row in result["rows"] if row["step"] == 1]
+    assert [row["widened"] for row in first] == [row["relative_error"] > middle for row in first]
+    assert any(row["widened"] for row in first) and not all(row["widened"] for row in first)
+    assert result["plain_bytes"] < result["budget_bytes"] < result["wide_bytes"]
+    above = run_distributed(_budget_run, 4, 2 * errors[-1], env=ENV)[0]
+    assert not any(row["widened"] for row in above["rows"])
+    assert above["budget_bytes"] == above["plain_bytes"]
+    assert above["losses"][0] == result["losses"][0]
+
+
+def test_the_error_budget_names_what_it_needs() -> None:
+    with pytest.raises(ValueError, match=r"grad_error_budget=0.05 .* audit is off: set audit_every"):
+        zeropp.ZeroPPConfig(quantized_gradients=True, grad_error_budget=0.05)
+    with pytest.raises(ValueError, match=r"grad_error_budget=0.05 widens qgZ's .* qgZ is off"):
+        zeropp.ZeroPPConfig(quantized_weights=True, audit_every=10, grad_error_budget=0.05)
+    with pytest.raises(ValueError, match=r"grad_error_budget=0.05 .*grad_rotation='hadamard'"):
+        zeropp.ZeroPPConfig(quantized_gradients=True, audit_every=10, grad_error_budget=0.05,
+                            grad_rotation="hadamard")
+    with pytest.raises(ValueError, match=r"zero_optimization.zeropp.grad_error_budget=-1 .* >= 0"):
+        zeropp.ZeroPPConfig.from_deepspeed({"zero_optimization": {"stage": 3, "zeropp": {"grad_error_budget": -1}}})
+    config = zeropp.ZeroPPConfig.from_deepspeed({"zero_optimization": {
+        "stage": 3, "zero_quantized_gradients": True, "zeropp": {"audit_every": 100, "grad_error_budget": 0.1}}})
+    assert (config.audit_every, config.grad_error_budget) == (100, 0.1)

@@ -157,6 +157,7 @@ _ZEROPP_CHECKS: dict[str, Checker] = {
     "grad_block_size": _optional(_BLOCK_SIZE),
     "grad_slice_bytes": _optional(_POSITIVE_INT),
     "audit_every": _NON_NEGATIVE_INT,
+    "grad_error_budget": _NON_NEGATIVE,
     "weight_bits": _WEIGHT_BITS,
     "weight_code": _WEIGHT_CODE,
     "unquantized_parameters": _PATTERNS,
@@ -317,6 +318,14 @@ class ZeroPPConfig(_KeyedConfig):
     audit_fallback: bool = False
     """With ``audit_every``: a unit whose error exceeds its bound switches to exact collectives
     (FSDP2's own) from the next training forward on, for the rest of the run."""
+    grad_error_budget: float = 0.0
+    """qgZ, with ``audit_every``: the relative error (``||coded - exact|| / ||exact||`` of a unit's
+    reduced gradient, as the audit measures it) a unit may carry. The first training forward audits
+    every unit's qgZ, and the audit's rotation goes on from there; a unit found above the budget
+    codes its gradients at 8 bits on both hops (as ``grad_wide_parameters`` does for its parameters)
+    from the next training forward on, for the rest of the run. It spends cross-node bytes only on
+    the units whose gradients the 4-bit code fits worst. 0 = off. See zeropp.techniques.audit
+    [Note: a per-unit error budget]."""
     param_dtype: torch.dtype | None = None
     """Dtype of compute and of the weight all-gathers (mixed precision); None keeps the model's."""
     reduce_dtype: torch.dtype | None = None
@@ -354,6 +363,7 @@ class ZeroPPConfig(_KeyedConfig):
             raise ValueError(f"{key('audit_fallback')}=true switches a unit the audit finds beyond its bound to exact "
                              f"collectives, but the audit is off: set {key('audit_every')} to a number of steps "
                              "(e.g. 100), or leave audit_fallback false")
+        self._check_error_budget()
         if self.weight_deltas and self.hpz_partition_size == 1:
             raise ValueError(f"{key('weight_deltas')}=true keeps hpZ's node copy of the weights from step to step, "
                              f"but hpZ is off: set {key('hpz_partition_size')} to the ranks per node (e.g. 8), or "
@@ -362,6 +372,24 @@ class ZeroPPConfig(_KeyedConfig):
             raise ValueError(f"{key('hierarchical_gather')}=true changes qwZ's weight gather, which is off: set "
                              f"{key('quantized_weights')}=true or {key('quantized_nontrainable_weights')}=true, "
                              f"or leave {key('hierarchical_gather')} false")
+
+    def _check_error_budget(self) -> None:
+        """The budget widens qgZ's codes, unit by unit, on what the audit measures."""
+        if not self.grad_error_budget:
+            return
+        key, budget = self.key_of, f"{self.key_of('grad_error_budget')}={self.grad_error_budget}"
+        if not self.quantized_gradients:
+            raise ValueError(f"{budget} widens qgZ's gradient codes, but qgZ is off: set "
+                             f"{key('quantized_gradients')}=true, or leave the budget at 0")
+        if not self.audit_every:
+            raise ValueError(f"{budget} acts on the audit's measured error, but the audit is off: set "
+                             f"{key('audit_every')} to a number of steps (e.g. 100), or leave the budget at 0")
+        if not self.gradient_code.is_plain:
+            raise ValueError(f"{budget} codes a unit's gradients at 8 bits, which the plain block code does and "
+                             f"the lower-error codes do not ({key('grad_rotation')}={self.grad_rotation!r}, "
+                             f"{key('grad_rounding')}={self.grad_rounding!r}, {key('grad_levels')}="
+                             f"{self.grad_levels!r}, {key('grad_scale_bits')}={self.grad_scale_bits}): leave those "
+                             "at their defaults, or the budget at 0")
 
     def _check_bits(self) -> None:
         """Each code width fits the block size, and 2- or 3-bit trainable weights are asked for."""
@@ -633,7 +661,8 @@ _DEEPSPEED_KEYS: dict[str, tuple[str, str]] = {
         "grad_full_precision_below", "grad_wide_parameters", "grad_bits_intra", "grad_bits_inter",
         "quantize_intra_node_weights", "error_feedback", "low_bit_trainable_weights", "grad_rotation",
         "grad_rounding", "grad_levels", "grad_block_size", "grad_scale_bits", "overlap", "hierarchical_gather",
-        "grad_slice_bytes", "quantized_replica_gradients", "audit_every", "audit_fallback", "weight_deltas",
+        "grad_slice_bytes", "quantized_replica_gradients", "audit_every", "audit_fallback", "grad_error_budget",
+        "weight_deltas",
         "delta_bits", "delta_block_size", "delta_reference")},
     "bf16.enabled": ("training", "bf16"),
     "fp16.enabled": ("training", "fp16"),

@@ -239,12 +239,14 @@ def _audit(config: ZeroPPConfig, installed: ShardedComms, topology: Topology) ->
         inner = reduce_scatter.shard if isinstance(reduce_scatter, ReplicatedReduceScatter) else reduce_scatter
         comms = [comm for comm in (all_gather, inner) if isinstance(comm, Auditable)]
         if comms:
+            widen = inner.widen if isinstance(inner, HierarchicalQuantizedReduceScatter) else None
             audited.append(AuditedUnit(all_gather.recorder.unit, comms,
-                                       functools.partial(_fall_back, installed, index, topology)))
+                                       functools.partial(_fall_back, installed, index, topology), widen))
     if not audited:
         logger.warning("zeropp: %s=%d audits quantized collectives, but no unit has one (qwZ and qgZ are off): "
                        "nothing will be audited", config.key_of("audit_every"), config.audit_every)
-    return Audit(config.audit_every, config.audit_fallback, audited, Recorder(topology))
+    return Audit(config.audit_every, config.audit_fallback, audited, Recorder(topology),
+                 error_budget=config.grad_error_budget)
 
 
 def _fall_back(installed: ShardedComms, index: int, topology: Topology) -> None:

@@ -23,6 +23,18 @@ step uses, untouched: with no fault, the audit changes no number. Its bytes are 
 "audit" in the ledger; on an audited step it holds one unit's exact gather, or one qgZ slice's
 exact rows and bounds (twice the slice in fp32).
 
+[Note: a per-unit error budget]
+With ``grad_error_budget = e``, qgZ's bits follow what the audit measures, unit by unit: the first
+training forward arms every unit's qgZ reduce-scatter (one exact fp32 reduce-scatter of the whole
+model, once), the rotation goes on every ``audit_every`` forwards, and a unit whose qgZ row's
+relative error is above ``e`` codes its gradients at 8 bits on both hops (``grad_wide_parameters``'
+codes, [Note: wide gradients] in ``zeropp.techniques.qgz``) from the next training forward on, for
+the rest of the run. The row is summed over the world, so every rank widens the same units at the
+same forward and the payloads stay the same size on every rank. Widening never reverts: a unit's
+gradients do not get easier to code as training goes on, and a unit that went back and forth
+would change its bytes from step to step. The row says it (``widened``); ``zeropp.explain``
+prices the bits the job started with, and the ledger counts what the widened units send.
+
 Not audited: hpZ's backward gathers from its copy (their input is FSDP2's placeholders; they
 send the forward's codes, so they are bit for bit the weights the forward's gather was checked
 on), the replicas' reduction of quantized HSDP, and units gathered as bytes (mixed dtypes).
@@ -68,6 +80,9 @@ class AuditRow:
     """Whether every block's error stayed within its bound."""
     fell_back: bool = False
     """The unit switched to exact collectives after this row (``audit_fallback``)."""
+    widened: bool = False
+    """The unit's gradients travel at 8 bits on both hops after this row (``grad_error_budget``,
+    [Note: a per-unit error budget])."""
 
 
 @dataclass
@@ -118,11 +133,15 @@ class AuditedUnit:
     """Its qwZ all-gather and qgZ reduce-scatter, those it has."""
     fall_back: Callable[[], None]
     """Install exact collectives on the unit (run between training steps, on every rank)."""
+    widen: Callable[[], None] | None = None
+    """Code the unit's qgZ gradients at 8 bits on both hops (None: it has no qgZ)."""
 
 
 class Auditable:
     """A comm the audit can arm: it checks its next quantized collective against the exact one."""
 
+    technique: str
+    """What the audit's rows call it: "qwZ", "qgZ" or "deltas"."""
     audit_request: Request | None = None
 
     def take_audit(self) -> Request | None:
@@ -143,9 +162,14 @@ class Audit:
     """Training forwards seen."""
     audits: int = 0
     """Units armed so far (the rotation's position)."""
+    error_budget: float = 0.0
+    """``grad_error_budget`` ([Note: a per-unit error budget]); 0: off."""
     fallen: set[int] = field(default_factory=set)
     """Units that fell back (or will, at the next training forward)."""
+    widened: set[int] = field(default_factory=set)
+    """Units whose qgZ codes at 8 bits (or will, from the next training forward)."""
     _pending: list[int] = field(default_factory=list)
+    _pending_widen: list[int] = field(default_factory=list)
 
     def before_forward(self, model: nn.Module) -> None:
         """The root's forward pre-hook: count training forwards, install pending fallbacks, arm
@@ -154,7 +178,12 @@ class Audit:
             return
         while self._pending:
             self.units[self._pending.pop()].fall_back()
+        while self._pending_widen:
+            if (index := self._pending_widen.pop()) not in self.fallen:
+                self.units[index].widen()
         self.passes += 1
+        if self.passes == 1 and self.error_budget:
+            self._arm_every_gradient_code()
         candidates = [i for i in range(len(self.units)) if i not in self.fallen]
         if self.passes % self.every or not candidates:
             return
@@ -162,6 +191,13 @@ class Audit:
         self.audits += 1
         for comm in self.units[index].comms:
             comm.audit_request = Request(self, index, self.passes)
+
+    def _arm_every_gradient_code(self) -> None:
+        """Arm every unit's qgZ for this forward ([Note: a per-unit error budget])."""
+        for index, unit in enumerate(self.units):
+            for comm in unit.comms:
+                if comm.technique == "qgZ":
+                    comm.audit_request = Request(self, index, self.passes)
 
     def record(self, request: Request, technique: str, tally: Tally) -> AuditRow:
         totals = torch.tensor([tally.error_sq, tally.exact_sq, tally.bound_sq, tally.violations],
@@ -171,9 +207,18 @@ class Audit:
         unit = self.units[request.unit_index]
         within = violations == 0
         falls_back = not within and self.fallback and request.unit_index not in self.fallen
-        row = AuditRow(unit.name, technique, request.step, relative_norm(error_sq, exact_sq),
-                       relative_norm(bound_sq, exact_sq), within, falls_back)
+        relative_error = relative_norm(error_sq, exact_sq)
+        widens = (technique == "qgZ" and unit.widen is not None and relative_error > self.error_budget > 0
+                  and request.unit_index not in self.widened | self.fallen and not falls_back)
+        row = AuditRow(unit.name, technique, request.step, relative_error, relative_norm(bound_sq, exact_sq),
+                       within, falls_back, widens)
         self.rows.append(row)
+        if widens:
+            self.widened.add(request.unit_index)
+            self._pending_widen.append(request.unit_index)
+            logger.info("zeropp audit: unit %r's qgZ error %.3g (relative) is above grad_error_budget=%.3g: its "
+                        "gradients travel at 8 bits on both hops from the next step on", unit.name, relative_error,
+                        self.error_budget)
         if within:
             return row
         then = ("it uses exact collectives from the next step on (audit_fallback)" if falls_back else
@@ -222,7 +267,8 @@ def audit_report(model: nn.Module | None = None) -> list[AuditRow]:
 def audit_log_line(row: AuditRow) -> str:
     """One row as a log line."""
     state = "within its bound" if row.within_bound else "BEYOND its bound"
-    after = "; fell back to exact collectives" if row.fell_back else ""
+    after = ("; fell back to exact collectives" if row.fell_back else
+             "; its gradients go to 8 bits (grad_error_budget)" if row.widened else "")
     return (f"zeropp audit: step {row.step} unit {row.unit!r} {row.technique}: relative error "
             f"{row.relative_error:.3g}, bound {row.bound:.3g}, {state}{after}")
 

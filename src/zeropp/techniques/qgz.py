@@ -203,6 +203,14 @@ class HierarchicalQuantizedReduceScatter(Auditable, LateReduceScatter):
             self._codecs[key] = ChunkCodec(segments, self.block_size, torch.float32, self.code)
         return self._codecs[key]
 
+    def widen(self) -> None:
+        """Code every parameter's gradients at ``WIDE_BITS`` on both hops from the next call on
+        (the audit's per-unit error budget; [Note: wide gradients]). The residuals of error
+        feedback are fp32 values, whatever the width, and carry over."""
+        self.wide = [True] * len(self.padded_numels)
+        self._codecs.clear()
+        self._slices.clear()
+
     def _generator(self, hop: int, device: torch.device) -> torch.Generator | None:
         """Stochastic rounding's generator for a hop: seeded by (seed, global rank, hop), so each
         rank draws its own uniforms and a run with the same seed draws the same ones."""

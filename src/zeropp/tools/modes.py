@@ -176,6 +176,9 @@ MODES: dict[str, Mode] = {mode.name: mode for mode in (
          "(what 8 bits for them could win at most)",
          options={**_ALL, "grad_full_precision_parameters": ("*embed*", "*norm*")},
          hpz=True),
+    Mode(name="all_budget", summary="all three, qgZ at 8 bits on both hops for the units whose 4-bit error the "
+         "first step's audit finds above 0.18 (grad_error_budget; about a third of SmolLM2-135M's units)",
+         options={**_ALL, "audit_every": 1_000_000, "grad_error_budget": 0.18}, hpz=True),
     Mode(name="all_int4", summary="all three, qgZ with DeepSpeed's code: INT4 on both hops (the default until "
          "INT8 inside the node)", options={**_ALL, "grad_bits_intra": 4}, hpz=True),
     Mode(name="all_rotnorm", summary="all three, qgZ as in qgz_rotnorm", options={**_ALL, **_ROTNORM}, hpz=True),

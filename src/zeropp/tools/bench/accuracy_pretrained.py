@@ -325,22 +325,36 @@ def cell_rows(cell_dir: Path) -> list[dict[str, Any]]:
             "gathered_mean_delta_percent": mean(list(gathered.values())) if gathered else None,
             "final_val_loss_full": mean([final(runs[seed][mode]) for seed in deltas]) if deltas else None,
             "zero3_held_out_fall_percent": fall,
-            "cross_node_mb_per_step": None if model_config is None or mode == CONTROL else _priced(
-                cell_dir, model_config, mode, layout, settings["compute_dtype"]),
+            "cross_node_mb_per_step": None if model_config is None or mode == CONTROL else _mean_price(
+                cell_dir, model_config, mode, layout, settings["compute_dtype"],
+                [widened_units(runs[seed][mode]) for seed in deltas]),
         })
     return rows
 
 
-def _priced(cell_dir: Path, model_config: dict[str, Any], mode: str, layout: Layout, compute_dtype: str
-            ) -> float | None:
+def widened_units(records: list[dict[str, Any]]) -> tuple[str, ...]:
+    """The units a run's audit widened to 8-bit gradients (``grad_error_budget``)."""
+    return tuple(sorted({row["unit"] for record in records for row in record.get("audit", ()) if row["widened"]}))
+
+
+def _mean_price(cell_dir: Path, model_config: dict[str, Any], mode: str, layout: Layout, compute_dtype: str,
+                widened: list[tuple[str, ...]]) -> float | None:
+    """The mode's bytes averaged over its runs, each priced with the units its audit widened."""
+    prices = [_priced(cell_dir, model_config, mode, layout, compute_dtype, units) for units in widened or [()]]
+    return None if None in prices else mean(prices)
+
+
+def _priced(cell_dir: Path, model_config: dict[str, Any], mode: str, layout: Layout, compute_dtype: str,
+            wide_units: tuple[str, ...] = ()) -> float | None:
     """``cross_node_mb``, kept in ``cell_dir/cross_node_mb.json`` (a plan of a 30-layer model takes
     seconds, and the report runs after every run); ``--report-only`` prices afresh."""
     path = cell_dir / "cross_node_mb.json"
     known = json.loads(path.read_text()) if path.exists() else {}
-    if mode not in known:
-        known[mode] = cross_node_mb(model_config, mode, layout, compute_dtype)
+    key = mode if not wide_units else f"{mode} widening {','.join(wide_units)}"
+    if key not in known:
+        known[key] = cross_node_mb(model_config, mode, layout, compute_dtype, wide_units)
         path.write_text(json.dumps(known, indent=1, sort_keys=True) + "\n")
-    return known[mode]
+    return known[key]
 
 
 def upper_end(row: dict[str, Any]) -> float | None:
@@ -478,25 +492,38 @@ def plot(path: Path, runs: Runs, title: str, shown: Sequence[str] = (BASELINE, "
     plt.close(fig)
 
 
-def cross_node_mb(model_config: dict[str, Any], mode: str, layout: Layout, compute_dtype: str) -> float | None:
+def cross_node_mb(model_config: dict[str, Any], mode: str, layout: Layout, compute_dtype: str,
+                  wide_units: Sequence[str] = ()) -> float | None:
     """Bytes one rank sends across nodes per step under ``mode``, in MB: ``zeropp.explain``'s plan of
     the model (built on the meta device, one unit per decoder layer) on the job's layout, whose
-    bytes are the ledger's; None for a mode that is not a zeropp config."""
+    bytes are the ledger's; None for a mode that is not a zeropp config. ``wide_units``: units
+    whose gradients the run's audit widened to 8 bits (the plan prices the bits a job starts with),
+    priced as ``grad_wide_parameters`` of their parameters."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from zeropp.setup.explain import explain
     from zeropp.setup.topology import Topology
 
-    try:
-        sharding = finetune.FINETUNE_MODES[mode].config(
-            layout.ranks_per_node, param_dtype=getattr(torch, compute_dtype), reduce_dtype=torch.float32)
-    except (KeyError, ValueError):
-        return None
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**model_config))
-    plan = explain(model, sharding, topology=Topology(layout.num_nodes, layout.ranks_per_node),
-                   units=[finetune.decoder_layer_type(model)])
+    block_type = finetune.decoder_layer_type(model)
+    wide = _unit_parameters(model, block_type, wide_units)
+    try:
+        sharding = finetune.FINETUNE_MODES[mode].config(
+            layout.ranks_per_node, param_dtype=getattr(torch, compute_dtype), reduce_dtype=torch.float32,
+            **({"grad_wide_parameters": wide} if wide else {}))
+    except (KeyError, ValueError):
+        return None
+    plan = explain(model, sharding, topology=Topology(layout.num_nodes, layout.ranks_per_node), units=[block_type])
     return plan.cross_node_bytes / 1e6
+
+
+def _unit_parameters(model: torch.nn.Module, block_type: type, units: Sequence[str]) -> tuple[str, ...]:
+    """The names of the parameters of ``units`` (block paths, or "the root": what no block holds)."""
+    blocks = [name for name, module in model.named_modules() if isinstance(module, block_type)]
+    owner = {name: next((block for block in blocks if name.startswith(block + ".")), "the root")
+             for name, _ in model.named_parameters()}
+    return tuple(name for name, unit in owner.items() if unit in units)
 
 
 def user_data(model: str, text_file: Path, runs_dir: Path, config: finetune.FinetuneConfig) -> Data:

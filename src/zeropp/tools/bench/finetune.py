@@ -42,6 +42,7 @@ from tqdm import tqdm
 
 import zeropp
 from zeropp.fsdp.comms import all_reduce_mean
+from zeropp.techniques.audit import ReportCursor
 from zeropp.tools.cluster.launch import launch_local
 from zeropp.tools.data.corpus import VALIDATION_FRACTION_PERCENT, _step_seed, shakespeare_text
 from zeropp.tools.jobs import add_config_flags, config_flags
@@ -215,6 +216,7 @@ def train(config: FinetuneConfig, data_dir: Path, run_dir: Path, *, model_file: 
             with partial.open("a") as f:
                 f.write(json.dumps(record) + "\n")
 
+    audit = ReportCursor(model)
     records = [{"step": 0, **evaluate(), "num_trainable": num_trainable}]
     write(records[0])
     started = time.perf_counter()
@@ -230,6 +232,8 @@ def train(config: FinetuneConfig, data_dir: Path, run_dir: Path, *, model_file: 
                   "elapsed_s": time.perf_counter() - started}
         if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
             record.update(evaluate())
+        if rows := audit.new_rows():
+            record["audit"] = [dataclasses.asdict(row) for row in rows]
         records.append(record)
         write(record)
         if on_step is not None:
