@@ -1,9 +1,10 @@
 """Run a function on N real gloo processes: the harness every multi-rank test uses.
 
 ``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, initialises a gloo
-process group in each (free port, one thread per rank), calls ``fn(rank, world_size, *args)``
-and returns every rank's result. A failing rank's traceback is raised in the test; a rank that
-hangs fails the test after ``timeout`` seconds instead of hanging it.
+process group in each (one thread per rank, over a TCPStore the test's own process hosts on a
+port the system chose), calls ``fn(rank, world_size, *args)`` and returns every rank's result. A
+failing rank's traceback is raised in the test; a rank that hangs fails the test after
+``timeout`` seconds instead of hanging it.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def _worker(rank: int, world_size: int, port: int, env: dict[str, str], fn: Call
     deadline = time.monotonic() + timeout
     store = None
     try:
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0,
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                               timeout=datetime.timedelta(seconds=timeout))
         dist.init_process_group("gloo", rank=rank, world_size=world_size, store=store,
                                 timeout=datetime.timedelta(seconds=timeout))
@@ -77,41 +78,30 @@ def _worker(rank: int, world_size: int, port: int, env: dict[str, str], fn: Call
         results.put((rank, False, traceback.format_exc()))
     finally:
         if store is not None:
-            _leave_together(store, rank, world_size, deadline)
+            _leave_together(store, world_size, deadline)
         if dist.is_initialized():
             dist.destroy_process_group()
-        if store is not None:
-            _close_store_last(store, rank, world_size, deadline)
 
 
-def _leave_together(store: dist.TCPStore, rank: int, world_size: int, deadline: float) -> None:
+def _leave_together(store: dist.TCPStore, world_size: int, deadline: float) -> None:
     """Wait until every rank has finished its function.
 
     [Note: ranks leave together]
     A rank that has finished its function must not exit while a peer still needs it. gloo's
     ``new_group`` connects every pair of ranks through the store (each rank publishes its address,
     then reads each peer's), with no barrier at its end: a rank can finish connecting while a peer is
-    still reading addresses. Had that rank exited then, the peer's read from the store, which rank 0
-    hosts, was reset ("Connection reset by peer"), or its half-made pair was closed ("Connection
-    closed by peer"). A loaded machine makes the gap wide (reproduced: 4 ranks ending right after
-    three ``new_group`` calls, the last rank at nice 19 beside a CPU hog, failed 10 runs in 20). So
-    every rank waits, through the store, until all have finished their function, before it destroys
-    its process group; and rank 0, which hosts the store, exits last, once every rank has said it no
-    longer needs the store. The waits end at the run's deadline: a rank that hangs is the parent's
-    to report and kill."""
+    still reading addresses. Had that rank exited then, its peer's half-made pair was closed
+    ("Connection closed by peer"), and when the rank was rank 0, which hosted the store then, the
+    peer's read from the store was reset ("Connection reset by peer"). A loaded machine makes the
+    gap wide (reproduced: 4 ranks ending right after three ``new_group`` calls, the last rank at
+    nice 19 beside a CPU hog, failed 10 runs in 20). So every rank waits, through the store, until
+    all have finished their function, before it destroys its process group; and the store lives in
+    the test's process, not in a rank, so no rank's exit can take it from the others. The wait ends
+    at the run's deadline: a rank that hangs is the parent's to report and kill."""
     with contextlib.suppress(Exception):
         if store.add("harness/finished", 1) == world_size:
             store.set("harness/all_finished", "1")
         store.wait(["harness/all_finished"], datetime.timedelta(seconds=max(deadline - time.monotonic(), 1.0)))
-
-
-def _close_store_last(store: dist.TCPStore, rank: int, world_size: int, deadline: float) -> None:
-    """Rank 0 hosts the store: it returns once every rank has left it ([Note: ranks leave together])."""
-    with contextlib.suppress(Exception):
-        if store.add("harness/left", 1) == world_size or rank != 0:
-            return
-        while store.add("harness/left", 0) < world_size and time.monotonic() < deadline:
-            time.sleep(0.01)
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
@@ -119,13 +109,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
 
     ``fn`` must be a module-level function (it is pickled into the ranks' processes). ``env`` is set
-    in every rank before the process group starts (e.g. ``ZEROPP_RANKS_PER_NODE``). The free port
-    is chosen before the ranks bind it; if another process takes it in between, the run starts
-    once more on a new port.
+    in every rank before the process group starts (e.g. ``ZEROPP_RANKS_PER_NODE``).
     """
     try:
-        return _run_once(fn, world_size, args, timeout, env)
-    except _PortTaken:
         return _run_once(fn, world_size, args, timeout, env)
     except _Crashed as crash:  # [Note: a rank killed by a signal]
         print(f"run_distributed: {crash.args[0].splitlines()[0]}; running the ranks once more "
@@ -159,13 +145,8 @@ def _failure(outcome: dict[int, tuple[bool, Any]], procs: list, world_size: int)
         summary.append("ranks without a report (exit code, None while running): "
                        + ", ".join(f"{r}: {code}" for r, code in silent.items()))
     body = "\n".join(f"--- rank {r}:\n{failed[r]}" for r in ordered)
-    error = (_PortTaken if any("EADDRINUSE" in value for value in failed.values()) else
-             _Crashed if any(code is not None and code < 0 for code in silent.values()) else AssertionError)
+    error = _Crashed if any(code is not None and code < 0 for code in silent.values()) else AssertionError
     return error("; ".join(summary) + "\n" + body)
-
-
-class _PortTaken(AssertionError):
-    """The store's port was taken between choosing it and binding it."""
 
 
 class _Crashed(AssertionError):
@@ -186,8 +167,9 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: flo
     ctx = _context()
     results = ctx.Queue()
     env = _environment(env)
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, env, fn, args, results, timeout),
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, timeout=datetime.timedelta(seconds=timeout),
+                          wait_for_workers=False)  # [Note: ranks leave together]
+    procs = [ctx.Process(target=_worker, args=(r, world_size, store.port, env, fn, args, results, timeout),
                          daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
@@ -222,6 +204,7 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: flo
             p.join(timeout=5 if failed_at is None else 0.1)
             if p.is_alive():
                 p.kill()
+        del store  # closed once every rank has exited or been killed
     return [outcome[r][1] for r in range(world_size)]
 
 
