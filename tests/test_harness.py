@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from distributed import run_distributed
@@ -50,3 +52,19 @@ def _fail_on_one(rank: int, world_size: int) -> None:
 def test_the_rank_with_its_own_error_is_named_first() -> None:
     with pytest.raises(AssertionError, match=r"(?s)ranks \[1.*--- rank 1:.*rank 1's own error"):
         run_distributed(_fail_on_one, 2, timeout=60)
+
+
+def _peers_go_on_after_rank_0(rank: int, world_size: int) -> float:
+    if rank == 0:
+        return 0.0  # rank 0 is done at once; its peers still need the store
+    time.sleep(1.0)
+    group = dist.new_group([1, 2, 3], use_local_synchronization=True)
+    total = torch.ones(1)
+    dist.all_reduce(total, group=group)
+    return total.item()
+
+
+def test_peers_build_groups_after_rank_0_is_done() -> None:
+    """The store outlives every rank ([Note: ranks leave together]): peers that build a group
+    through it after rank 0 has finished its function get their group."""
+    assert run_distributed(_peers_go_on_after_rank_0, 4, timeout=60) == [0.0, 3.0, 3.0, 3.0]
