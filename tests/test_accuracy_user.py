@@ -141,6 +141,9 @@ def test_the_recommendation_takes_the_fewest_bytes_within_the_tolerance() -> Non
     assert advice["recommended"] is None and "the lowest is all_ef's +0.10%" in advice["reason"]
     # one pair has no interval: never recommended
     assert accuracy_pretrained.recommend([row("all", None, 1.0)], 0.3)["recommended"] is None
+    # a config whose bytes differ by cell (a budget's widened units) is priced at its dearest cell
+    budget = [row("all_budget", [0.0, 0.1], 5.0), row("all_budget", [0.0, 0.1], 11.0, cell="d")]
+    assert accuracy_pretrained.recommend(rows[:1] + budget, 0.3)["recommended"] == "all"
 
 
 def test_the_plan_prices_each_config_for_the_users_model(user_model) -> None:

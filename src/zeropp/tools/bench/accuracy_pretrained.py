@@ -378,7 +378,8 @@ def recommend(rows: Sequence[dict[str, Any]], tolerance: float) -> dict[str, Any
     for mode in configs:
         mine = [row for row in rows if row["mode"] == mode]
         ends = [row["ci95_percent"][1] if row["ci95_percent"] is not None else None for row in mine]
-        bytes_ = mine[0]["cross_node_mb_per_step"]
+        prices = [row["cross_node_mb_per_step"] for row in mine]
+        bytes_ = None if None in prices else max(prices)  # a budget's widened units differ by cell
         judged.append({"mode": mode, "upper_end_percent": None if None in ends else max(ends),
                        "cross_node_mb_per_step": bytes_, "cells": len(mine)})
     within = [j for j in judged if j["upper_end_percent"] is not None and j["upper_end_percent"] <= tolerance]
