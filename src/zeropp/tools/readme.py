@@ -127,6 +127,17 @@ def _deltas_step(data: dict[str, Any]) -> str:
             f"against {at['all']['cross_node_bytes_wire'] / 1e6:.1f})")
 
 
+def _bf16_step(data: dict[str, Any]) -> str:
+    at = {mode: _record(data, mode, "100mbit") for mode in ("zero3", "all", "all_delta")}
+    free = {mode: _record(data, mode, "unlimited") for mode in ("all", "all_delta")}
+    wire = at["all_delta"]["cross_node_bytes_wire"] / at["all"]["cross_node_bytes_wire"]
+    return (f"all three **{at['all']['ratio_vs_zero3']:.3f}x** ZeRO-3's step ({at['all']['median_step_s']:.2f} s "
+            f"against {at['zero3']['median_step_s']:.2f} s), with weight differences "
+            f"**{at['all_delta']['ratio_vs_zero3']:.3f}x** ({at['all_delta']['median_step_s']:.2f} s, {wire:.2f}x all "
+            f"three's cross-node bytes); no link limit {free['all']['ratio_vs_zero3']:.3f}x and "
+            f"{free['all_delta']['ratio_vs_zero3']:.3f}x")
+
+
 def _deltas_ranks(data: dict[str, Any]) -> str:
     rows = {(r["world_size"], r["mode"]): r["cross_node_bytes"] for r in data["rows"] if r["dtype"] == "bfloat16"}
     sizes = sorted({size for size, _ in rows})
@@ -164,6 +175,10 @@ ROWS = (
     Row("weight differences (`weight_deltas`), 100 Mbit/s", "bench_step_deltas/bench_step.json",
         "zeropp bench step --param-dtype float32 --modes zero3,hsdp,all,all_delta,hsdp_quantized,deepspeed "
         "--bandwidths unlimited,100mbit --out benchmarks/results/bench_step_deltas", _deltas_step,
+        "[weight differences](docs/results.md#weight-differences-over-the-node-copy)"),
+    Row("bf16 gathers, fp32 reduction (as users train), 100 Mbit/s", "bench_step_bf16/bench_step.json",
+        "zeropp bench step --param-dtype bfloat16 --no-memory --modes zero3,all,all_delta --bandwidths "
+        "unlimited,100mbit --out benchmarks/results/bench_step_bf16", _bf16_step,
         "[weight differences](docs/results.md#weight-differences-over-the-node-copy)"),
     Row("weight differences' cross-node bytes per step against all three's, larger jobs", "deltas_bytes.json",
         "python benchmarks/deltas_bytes.py --out benchmarks/results/deltas_bytes.json", _deltas_ranks,
