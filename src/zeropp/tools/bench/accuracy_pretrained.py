@@ -69,10 +69,11 @@ MODEL = "SmolLM2-135M"
 CONTROL = "zero3_order"
 DEFAULT_MODES = (BASELINE, "all", CONTROL)
 """ZeRO-3, the default (all three techniques) and the control: the pair the verdict is about."""
-CANDIDATES = ("all_delta", "all_ef", "all_rotnorm", "all_spare")
+CANDIDATES = ("all_delta", "all_ef", "all_rotnorm", "all_spare", "all_budget")
 """Configs judged beside the default on a user's text: qwZ's share cut by weight differences, and
 qgZ's options (error feedback, the Hadamard rotation with normal levels, small parameters'
-gradients unquantized), at the default's cross-node bytes or fewer."""
+gradients unquantized), at the default's cross-node bytes or fewer; and the per-unit error budget,
+which buys accuracy with bytes (8-bit gradients for the units the first step finds coded worst)."""
 SEEDS = (0, 1, 2, 3, 4, 5)
 PRESENT = finetune.FinetuneConfig(steps=30, batch_size=8, context_length=64, lr=5e-5, compute_dtype="float32",
                                   eval_every=30, eval_batches=16, eval_full_precision=1)
