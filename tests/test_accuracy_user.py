@@ -143,7 +143,19 @@ def test_the_recommendation_takes_the_fewest_bytes_within_the_tolerance() -> Non
     assert accuracy_pretrained.recommend([row("all", None, 1.0)], 0.3)["recommended"] is None
     # a config whose bytes differ by cell (a budget's widened units) is priced at its dearest cell
     budget = [row("all_budget", [0.0, 0.1], 5.0), row("all_budget", [0.0, 0.1], 11.0, cell="d")]
-    assert accuracy_pretrained.recommend(rows[:1] + budget, 0.3)["recommended"] == "all"
+    assert accuracy_pretrained.recommend([*rows[:1], row("all", [0.1, 0.25], 10.0, cell="d"), *budget],
+                                         0.3)["recommended"] == "all"
+    # over cells, more cells with an interval come first; a cell of one pair rules out only by its mean
+    def single(mode, mean, mb, cell):
+        return {**row(mode, None, mb, cell), "mean_delta_percent": mean}
+
+    grid = [row("all", [0.1, 0.2], 10.0), row("all", [0.1, 0.25], 10.0, cell="d"),
+            row("all_budget", [0.0, 0.1], 9.0), single("all_delta", 0.1, 6.0, "d"), row("all_delta", [0.0, 0.1], 6.0)]
+    advice = accuracy_pretrained.recommend(grid, 0.3)
+    assert advice["recommended"] == "all" and "in the" not in advice["reason"]
+    grid.append(row("all_delta", [0.0, 0.2], 6.0, cell="e"))
+    assert accuracy_pretrained.recommend(grid, 0.3)["recommended"] == "all_delta"
+    assert accuracy_pretrained.recommend([*grid, single("all_delta", 0.4, 6.0, "f")], 0.3)["recommended"] == "all"
 
 
 def test_the_plan_prices_each_config_for_the_users_model(user_model) -> None:

@@ -37,7 +37,10 @@ whole pairs in every cell.
 cell, the modes given (ZeRO-3, the control and every config to judge), a verdict per config and the
 recommendation: of the configs whose 95% upper end stays under ``--tolerance``, the one sending the
 fewest bytes across nodes per step (``zeropp.explain``'s plan of the model on the job's layout,
-whose bytes are the ledger's). A config measured on one pair has no interval and is never recommended. On a CPU machine
+whose bytes are the ledger's). A config measured on one pair has no interval and is never recommended. Over the
+grid's cells, a config's cells of one pair rule it out only by a mean over the tolerance, and a
+config with an interval in more cells comes before one with fewer: a config measured in one cell
+is not preferred to one measured in three for being cheaper. On a CPU machine
 the command launches the ranks itself (gloo); under torchrun (``--device cuda`` on GPUs) every rank
 runs it and the runs train in-process on the launched group.
 """
@@ -372,25 +375,32 @@ def worst(rows: Sequence[dict[str, Any]], mode: str = "all") -> dict[str, Any] |
 
 
 def recommend(rows: Sequence[dict[str, Any]], tolerance: float) -> dict[str, Any]:
-    """Of the configs whose 95% upper end is under ``tolerance`` percent in every cell, the one with
-    the fewest cross-node bytes per step ([Note: your own data])."""
+    """Of the configs whose 95% upper end is under ``tolerance`` percent in every cell with an
+    interval, and whose mean is under it in every cell of one pair, the one with an interval in the
+    most cells, then the fewest cross-node bytes per step ([Note: your own data])."""
     configs = dict.fromkeys(row["mode"] for row in rows if row["mode"] != CONTROL)
     judged = []
     for mode in configs:
         mine = [row for row in rows if row["mode"] == mode]
-        ends = [row["ci95_percent"][1] if row["ci95_percent"] is not None else None for row in mine]
+        ends = [row["ci95_percent"][1] for row in mine if row["ci95_percent"] is not None]
+        singles = [row.get("mean_delta_percent") for row in mine if row["ci95_percent"] is None]
         prices = [row["cross_node_mb_per_step"] for row in mine]
         bytes_ = None if None in prices else max(prices)  # a budget's widened units differ by cell
-        judged.append({"mode": mode, "upper_end_percent": None if None in ends else max(ends),
-                       "cross_node_mb_per_step": bytes_, "cells": len(mine)})
-    within = [j for j in judged if j["upper_end_percent"] is not None and j["upper_end_percent"] <= tolerance]
-    within.sort(key=lambda j: (j["cross_node_mb_per_step"] is None, j["cross_node_mb_per_step"] or 0.0))
+        judged.append({"mode": mode, "upper_end_percent": max(ends, default=None),
+                       "one_pair_mean_percent": max((m for m in singles if m is not None), default=None),
+                       "cross_node_mb_per_step": bytes_, "cells": len(mine), "cells_with_interval": len(ends)})
+    within = [j for j in judged if j["upper_end_percent"] is not None and j["upper_end_percent"] <= tolerance
+              and (j["one_pair_mean_percent"] is None or j["one_pair_mean_percent"] <= tolerance)]
+    within.sort(key=lambda j: (-j["cells_with_interval"], j["cross_node_mb_per_step"] is None,
+                               j["cross_node_mb_per_step"] or 0.0))
     if within:
         best = within[0]
         cells = len({row["cell"] for row in rows})
-        where = f" in the {best['cells']} of {cells} cells it was measured in" if best["cells"] < cells else ""
+        where = (f" in the {best['cells_with_interval']} of {cells} cells with an interval"
+                 if best["cells_with_interval"] < cells else "")
         reason = (f"{best['mode']}: 95% upper end {best['upper_end_percent']:+.2f}% <= {tolerance}%{where}, "
-                  + (f"{best['cross_node_mb_per_step']:.1f} MB across nodes per step, the fewest of those within"
+                  + (f"{best['cross_node_mb_per_step']:.1f} MB across nodes per step, the fewest of those within "
+                     "in as many cells"
                      if best['cross_node_mb_per_step'] is not None else "the first within"))
         return {"recommended": best["mode"], "tolerance_percent": tolerance, "reason": reason, "configs": judged}
     measured = [j for j in judged if j["upper_end_percent"] is not None]
