@@ -65,12 +65,13 @@ def _accuracy(data: list[dict[str, Any]]) -> str:
 
     row = worst(data)
     cells = len({r["cell"] for r in data if r["mode"] == "all"})
-    where = f"worst of {cells} corpus x setting cells: {row['cell']}"
+    where = f"the worst upper end of {cells} corpus x setting cells: {row['cell']}"
     if row["ci95_percent"] is None:
         return f"all three (the default) {row['mean_delta_percent']:+.2f}% on {row['pairs']} seed pair ({where})"
     low, high = row["ci95_percent"]
-    return (f"all three (the default) **{row['mean_delta_percent']:+.2f}%** of the held-out loss, 95% interval "
-            f"[{low:+.2f}, {high:+.2f}] over {row['pairs']} paired seeds ({where})")
+    return (f"all three (the default): 95% upper end **{high:+.2f}%** of the held-out loss (mean "
+            f"{row['mean_delta_percent']:+.2f}%, interval [{low:+.2f}, {high:+.2f}] over {row['pairs']} paired seeds; "
+            f"{where})")
 
 
 def _audit_cost(data: dict[str, Any]) -> str:
