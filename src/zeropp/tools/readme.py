@@ -117,10 +117,16 @@ def _float8(data: dict[str, Any]) -> str:
             f"alone ({every / 1e6:.1f} MB against {alone / 1e6:.1f} a step)")
 
 
-def _deltas_step(data: dict[str, Any]) -> str:
+def _deltas_at_100mbit(data: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], float]:
+    """ZeRO-3's, all three's and weight differences' 100 Mbit/s records, and the differences'
+    cross-node wire bytes over all three's."""
     at = {mode: _record(data, mode, "100mbit") for mode in ("zero3", "all", "all_delta")}
+    return at, at["all_delta"]["cross_node_bytes_wire"] / at["all"]["cross_node_bytes_wire"]
+
+
+def _deltas_step(data: dict[str, Any]) -> str:
+    at, wire = _deltas_at_100mbit(data)
     unlimited = _record(data, "all_delta", "unlimited")
-    wire = at["all_delta"]["cross_node_bytes_wire"] / at["all"]["cross_node_bytes_wire"]
     return (f"all three with weight differences **{at['all_delta']['ratio_vs_zero3']:.3f}x** ZeRO-3's step "
             f"({at['all_delta']['median_step_s']:.2f} s; all three {at['all']['median_step_s']:.2f} s), "
             f"{at['all_delta']['median_step_s'] / unlimited['median_step_s']:.2f}x its no-limit step; cross-node "
@@ -129,9 +135,8 @@ def _deltas_step(data: dict[str, Any]) -> str:
 
 
 def _bf16_step(data: dict[str, Any]) -> str:
-    at = {mode: _record(data, mode, "100mbit") for mode in ("zero3", "all", "all_delta")}
+    at, wire = _deltas_at_100mbit(data)
     free = {mode: _record(data, mode, "unlimited") for mode in ("all", "all_delta")}
-    wire = at["all_delta"]["cross_node_bytes_wire"] / at["all"]["cross_node_bytes_wire"]
     return (f"all three **{at['all']['ratio_vs_zero3']:.3f}x** ZeRO-3's step ({at['all']['median_step_s']:.2f} s "
             f"against {at['zero3']['median_step_s']:.2f} s), with weight differences "
             f"**{at['all_delta']['ratio_vs_zero3']:.3f}x** ({at['all_delta']['median_step_s']:.2f} s, {wire:.2f}x all "
