@@ -196,6 +196,10 @@ class UnitBytes:
     replicas' all-gather across nodes)."""
     node_copy: float = 0.0
     """``weight_deltas``: the unit's rows of its node copy, held the whole step (and between steps)."""
+    decode: float = 0.0
+    """``delta_reference="codes"``: one rank's rows decoded from the gathered codes, allocated at
+    the gather's wait, not while its collective is in flight (a prefetched unit holds only the
+    codes and FSDP2's output through the backward of the unit before it)."""
 
     @property
     def has_parameters(self) -> bool:
@@ -209,20 +213,26 @@ def local_rows(rows: int, shard_size: int, rank: int) -> int:
     return max(0, min(chunk, rows - rank * chunk))
 
 
+def _delta_decode_bytes(padded: list[int], config: ZeroPPConfig, shard: Topology, gather_dtype: torch.dtype) -> float:
+    """``UnitBytes.decode``: with the copy kept as codes, one rank's N rows decoded at a time."""
+    if config.delta_reference != "codes":
+        return 0.0
+    return shard.num_nodes * (sum(padded) // shard.world_size) * gather_dtype.itemsize
+
+
 def _delta_gather_bytes(padded: list[int], config: ZeroPPConfig, shard: Topology, gather_dtype: torch.dtype,
                         refresh: bool) -> float:
     """What a gather from the node copy holds while its collectives run: FSDP2's flat output
     (the node's rows are gathered into it, then put in chunk order holding one chunk: [Note:
     chunk order in place] in ``zeropp.techniques.deltas``; a copy kept as codes is gathered as
-    codes, and each rank's rows decoded into it in turn); in a forward that adds a
+    codes, decoded into it at the wait: ``UnitBytes.decode``); in a forward that adds a
     step's differences, this rank's chunk of them in fp32 while it is coded, its code, every
     node's code and one decoded chunk in fp32 (the audit's bound, a chunk of fp32 per unit, aside)."""
     whole = sum(padded) * gather_dtype.itemsize
     chunk = sum(padded) // shard.world_size
-    if config.delta_reference == "codes":  # the node's codes, and one rank's rows decoded at a time
-        codes = shard.world_size * node_copy_row_bytes(padded, config, shard.world_size,
-                                                       Precision(gather_dtype=gather_dtype))
-        held = whole + codes + shard.num_nodes * chunk * gather_dtype.itemsize
+    if config.delta_reference == "codes":  # the node's codes
+        held = whole + shard.world_size * node_copy_row_bytes(padded, config, shard.world_size,
+                                                              Precision(gather_dtype=gather_dtype))
     else:
         held = whole + chunk * gather_dtype.itemsize
     if not refresh:
@@ -409,6 +419,7 @@ def _part_bytes(unit: UnitShape, shard: Topology, index: int, model: ModelShape,
         late=late,
         later=later,
         node_copy=shard.num_nodes * node_copy_row_bytes(padded, config, shard_size, precision) if deltas else 0.0,
+        decode=_delta_decode_bytes(padded, config, shard, gather_dtype) if deltas else 0.0,
     )
 
 
@@ -444,7 +455,7 @@ def _forward(timeline: _Timeline, blocks: list[UnitBytes], ahead: int) -> None:
         started = in_flight(i + 1, i + ahead)  # issued before this block's wait
         if unit.copy_in:
             timeline.moment(f"forward copy-in {unit.name}", gathered=unit.whole + unit.copy_in + started)
-        timeline.moment(f"forward gather {unit.name}", gathered=unit.gather_forward + started)
+        timeline.moment(f"forward gather {unit.name}", gathered=unit.gather_forward + unit.decode + started)
         timeline.moment(f"forward copy-out {unit.name}", gathered=2 * unit.whole + started)
         started = in_flight(i + 1, i + 1 + ahead)  # and this block's own prefetch
         timeline.moment(f"forward {unit.name}", gathered=unit.whole + started,
@@ -484,7 +495,10 @@ def _backward(timeline: _Timeline, blocks: list[UnitBytes], overlap: bool) -> fl
         if i == 0:
             if unit.copy_in_backward:
                 timeline.moment(f"backward copy-in {unit.name}", gathered=unit.whole + unit.copy_in_backward)
-            timeline.moment(f"backward gather {unit.name}", gathered=unit.gather_backward)
+            timeline.moment(f"backward gather {unit.name}", gathered=unit.gather_backward + unit.decode)
+        elif unit.decode:  # the prefetched codes decoded at this unit's wait
+            timeline.moment(f"backward decode {unit.name}", gathered=unit.gather_backward + unit.decode,
+                            reduce_buffers=pending + unfinished)
         timeline.moment(f"backward copy-out {unit.name}", gathered=2 * unit.whole, reduce_buffers=pending + unfinished)
         held["secondary_copy"] -= unit.secondary
         after = order[i + 1] if i + 1 < len(order) else None
