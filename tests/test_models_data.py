@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from zeropp.tools.data import CharCorpus, book_of_mormon_text, kjv_text, shakespeare_text
+from zeropp.tools.data.corpus import TEXTS, unicode_table_text
 from zeropp.tools.models import GPT, GPTConfig
 from zeropp.tools.models.gpt import INIT_STD
 
@@ -231,3 +232,20 @@ def test_book_of_mormon_corpus_is_the_verse_text_one_chapter_per_line() -> None:
     assert text.endswith("Eternal Judge of both quick and dead. Amen.")
     assert not any(ch.isdigit() for ch in text) and "Q" not in text and "X" not in text
     assert CharCorpus.named("mormon").vocab_size == len(set(text)) == 63
+
+
+def test_unicode_table_corpus_is_one_record_per_named_character() -> None:
+    """The fine-tuning grid's table: every named character of the interpreter's Unicode
+    database, one record of eight fields each, in code point order, the names made of a code
+    point left out; UnicodeData.txt's values where the two overlap."""
+    text = unicode_table_text()
+    lines = text.splitlines()
+    assert lines[0] == "0020;SPACE;Zs;0;WS;;;N"
+    assert "0041;LATIN CAPITAL LETTER A;Lu;0;L;;;N" in lines
+    assert "00BD;VULGAR FRACTION ONE HALF;No;0;ON;<fraction> 0031 2044 0032;0.5;N" in lines
+    assert "0028;LEFT PARENTHESIS;Ps;0;ON;;;Y" in lines
+    assert all(line.count(";") == 7 for line in lines)
+    code_points = [int(line.split(";", 1)[0], 16) for line in lines]
+    assert code_points == sorted(code_points) and len(set(code_points)) == len(lines) > 30_000
+    assert "CJK UNIFIED IDEOGRAPH" not in text and "HANGUL SYLLABLE" not in text
+    assert TEXTS["unicode"] is unicode_table_text

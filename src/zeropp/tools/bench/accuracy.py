@@ -75,13 +75,16 @@ PASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("narrow", (BASELINE, "all", "all_scale8")),
     ("narrow", (CONTROL,)),
     ("demo", ("all_spare",)),
+    ("demo", ("all_delta",)),
     ("wide", (BASELINE, CONTROL, "all")),
     ("wide", ("all_spare",)),
 )
 """(setting, modes added), in the order they run: the default against its control, the cost
 attributed to each technique, the lowest-error gradient code where its blocks hold whole rows,
 then the default against that code where rows share blocks (the choice of default turns on
-that pair, which needs no control), the narrow setting's control, the spared code, and the
+that pair, which needs no control), the narrow setting's control, the spared code, all three
+with weight differences (``weight_deltas``: exact forward weights up to the last difference's
+code), and the
 default on a wider setting (the slowest runs, last). hpZ alone is not in the grid: its training
 is bit-identical to ZeRO-3's (docs/results.md), so its delta is 0 on every seed."""
 
