@@ -138,7 +138,7 @@ def test_the_recommendation_takes_the_fewest_bytes_within_the_tolerance() -> Non
     rows.append(row("all_delta", [0.2, 0.5], 6.0, cell="d"))
     assert accuracy_pretrained.recommend(rows, 0.3)["recommended"] == "all"
     advice = accuracy_pretrained.recommend(rows, 0.05)
-    assert advice["recommended"] is None and "the lowest is all_ef's +0.10%" in advice["reason"]
+    assert advice["recommended"] is None and "the closest is all_ef (95% upper end +0.10%;" in advice["reason"]
     # one pair has no interval: never recommended
     assert accuracy_pretrained.recommend([row("all", None, 1.0)], 0.3)["recommended"] is None
     # a config whose bytes differ by cell (a budget's widened units) is priced at its dearest cell
@@ -156,18 +156,27 @@ def test_the_recommendation_takes_the_fewest_bytes_within_the_tolerance() -> Non
     grid.append(row("all_delta", [0.0, 0.2], 6.0, cell="e"))
     assert accuracy_pretrained.recommend(grid, 0.3)["recommended"] == "all_delta"
     assert accuracy_pretrained.recommend([*grid, single("all_delta", 0.4, 6.0, "f")], 0.3)["recommended"] == "all"
+    # none within: the closest is named by what rules it out, a pair's mean where its upper end is under
+    ruled_out = [row("all", [0.1, 0.5], 10.0), row("all_rotnorm", [0.0, 0.22], 10.0),
+                 single("all_rotnorm", 0.31, 10.0, "d")]
+    reason = accuracy_pretrained.recommend(ruled_out, 0.3)["reason"]
+    assert "the closest is all_rotnorm (95% upper end +0.22%, one pair's mean +0.31%" in reason
+    assert "over by 0.01 points" in reason
 
 
 def test_the_plan_prices_each_config_for_the_users_model(user_model) -> None:
     """Bytes one rank sends across nodes per step, from ``zeropp.explain``'s plan (the ledger's
-    bytes): all three under a quarter of ZeRO-3's, weight differences under 0.7x all three's, error
+    bytes): all three under a quarter of ZeRO-3's, weight differences under 0.7x all three's (with
+    8-bit gradients across nodes more, still under all three's), error
     feedback and the rotation with normal levels all three's bytes, the embedding's and norms'
     gradients at 8 bits more, and unquantized more again."""
     config = json.loads((user_model / "config.json").read_text())
     mb = {mode: accuracy_pretrained.cross_node_mb(config, mode, accuracy_pretrained.Layout(), "float32")
-          for mode in ("zero3", "all", "all_delta", "all_ef", "all_rotnorm", "all_wide_embed", "all_spare_embed")}
+          for mode in ("zero3", "all", "all_delta", "all_delta_g8", "all_ef", "all_rotnorm", "all_wide_embed",
+                       "all_spare_embed")}
     assert 0 < mb["all"] < mb["zero3"] / 4
     assert 0 < mb["all_delta"] < 0.7 * mb["all"]
+    assert mb["all_delta"] < mb["all_delta_g8"] < mb["all"]  # 8-bit gradients, still under all three's bytes
     assert mb["all_ef"] == mb["all_rotnorm"] == mb["all"]
     assert mb["all"] < mb["all_wide_embed"] < mb["all_spare_embed"]
     # the budget's widened units, priced as the run's audit found them; none widened: all three's bytes

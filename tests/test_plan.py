@@ -23,12 +23,13 @@ from zeropp.tools.modes import MODES, System
 from zeropp.tools.plan import calibrate, cost, emulated, memory, recommend, scale, traffic
 from zeropp.tools.plan import model as model_shape
 
-TRAFFIC_JOB = WorkerConfig(modes=(*BENCH_MODES, "all_hier", "all_scale8", "all_delta", "all_delta_codes"),
+TRAFFIC_JOB = WorkerConfig(modes=(*BENCH_MODES, "all_hier", "all_scale8", "all_delta", "all_delta_g8",
+                                  "all_delta_rotnorm", "all_delta_codes"),
                            warmup_steps=1, steps=1, batch_size=12, context_length=18, num_layers=2, embed_dim=48,
                            num_heads=2)
 """The bench's six modes, qwZ's two-hop gather, qgZ's 8-bit block scales and weight differences
-over a copy in the gather dtype and as codes (the measured step after the warm-up step's full
-refresh sends differences), on a GPT whose dims
+over a copy in the gather dtype, as codes and beside 8-bit or rotated gradients (the measured step
+after the warm-up step's full refresh sends differences), on a GPT whose dims
 0 (84 characters, 18 positions) leave FSDP2 padding on six ranks; one step each, after one warm-up
 step: each step ends by starting the next forward's first gathers ([Note: gathers after the step]),
 so a window opened after a step holds one step's collectives."""

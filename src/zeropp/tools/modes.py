@@ -161,6 +161,11 @@ MODES: dict[str, Mode] = {mode.name: mode for mode in (
          "differences (every gather inside the node)", options={**_ALL, "weight_deltas": True}, hpz=True),
     Mode(name="all_delta8", summary="all_delta with 8-bit weight differences",
          options={**_ALL, "weight_deltas": True, "delta_bits": 8}, hpz=True),
+    Mode(name="all_delta_g8", summary="all_delta with qgZ at 8 bits on both hops: the gradients' bytes that weight "
+         "differences save on the weights", options={**_ALL, "weight_deltas": True, "grad_bits_inter": 8}, hpz=True),
+    Mode(name="all_delta_rotnorm", summary="all_delta with qgZ as in qgz_rotnorm: weight differences for qwZ's "
+         "share, the rotation with normal levels for the gradients'", options={**_ALL, "weight_deltas": True,
+                                                                               **_ROTNORM}, hpz=True),
     Mode(name="all_delta_codes", summary="all_delta with the node copy kept as qwZ's INT8 codes",
          options={**_ALL, "weight_deltas": True, "delta_reference": "codes"}, hpz=True),
     Mode(name="hpz_delta", summary="hpZ with its node copy refreshed by 4-bit weight differences (no qwZ, no qgZ)",
