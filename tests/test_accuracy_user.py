@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zeropp.tools.bench import accuracy_pretrained
+from zeropp.tools.bench import accuracy_cells, accuracy_pretrained
 from zeropp.tools.cli import build_parser
 
 
@@ -79,6 +79,8 @@ def test_a_users_model_and_text_get_a_verdict_per_config_and_a_recommendation(us
         assert advice["recommended"] == fewest["mode"]
     else:
         assert advice["recommended"] is None and "no config" in advice["reason"]
+    (cell,) = json.loads((out / "cells.json").read_text())
+    assert (cell["cell"], cell["best"], cell["default_ci95_percent"]) == ("mydata_present", "all", [low, high])
     # on CPU the command launches its own ranks: the same code on the same batches, so the same losses
     launched = tmp_path / "launched"
     assert main([*args[:-4], "--seeds", "0", "--pretrained-modes", "all", "--out", str(launched)]) == 0
@@ -133,17 +135,17 @@ def test_the_recommendation_takes_the_fewest_bytes_within_the_tolerance() -> Non
 
     rows = [row("all", [0.1, 0.25], 10.0), row("all_delta", [0.05, 0.2], 6.0), row("all_ef", [0.0, 0.1], 12.0),
             row("zero3_order", [-0.01, 0.01], 40.0)]
-    assert accuracy_pretrained.recommend(rows, 0.3)["recommended"] == "all_delta"
+    assert accuracy_cells.recommend(rows, 0.3)["recommended"] == "all_delta"
     # a config over the tolerance in one cell is out, whatever its bytes
     rows.append(row("all_delta", [0.2, 0.5], 6.0, cell="d"))
-    assert accuracy_pretrained.recommend(rows, 0.3)["recommended"] == "all"
-    advice = accuracy_pretrained.recommend(rows, 0.05)
+    assert accuracy_cells.recommend(rows, 0.3)["recommended"] == "all"
+    advice = accuracy_cells.recommend(rows, 0.05)
     assert advice["recommended"] is None and "the closest is all_ef (95% upper end +0.10%;" in advice["reason"]
     # one pair has no interval: never recommended
-    assert accuracy_pretrained.recommend([row("all", None, 1.0)], 0.3)["recommended"] is None
+    assert accuracy_cells.recommend([row("all", None, 1.0)], 0.3)["recommended"] is None
     # a config whose bytes differ by cell (a budget's widened units) is priced at its dearest cell
     budget = [row("all_budget", [0.0, 0.1], 5.0), row("all_budget", [0.0, 0.1], 11.0, cell="d")]
-    assert accuracy_pretrained.recommend([*rows[:1], row("all", [0.1, 0.25], 10.0, cell="d"), *budget],
+    assert accuracy_cells.recommend([*rows[:1], row("all", [0.1, 0.25], 10.0, cell="d"), *budget],
                                          0.3)["recommended"] == "all"
     # over cells, more cells with an interval come first; a cell of one pair rules out only by its mean
     def single(mode, mean, mb, cell):
@@ -151,17 +153,40 @@ def test_the_recommendation_takes_the_fewest_bytes_within_the_tolerance() -> Non
 
     grid = [row("all", [0.1, 0.2], 10.0), row("all", [0.1, 0.25], 10.0, cell="d"),
             row("all_budget", [0.0, 0.1], 9.0), single("all_delta", 0.1, 6.0, "d"), row("all_delta", [0.0, 0.1], 6.0)]
-    advice = accuracy_pretrained.recommend(grid, 0.3)
+    advice = accuracy_cells.recommend(grid, 0.3)
     assert advice["recommended"] == "all" and "in the" not in advice["reason"]
     grid.append(row("all_delta", [0.0, 0.2], 6.0, cell="e"))
-    assert accuracy_pretrained.recommend(grid, 0.3)["recommended"] == "all_delta"
-    assert accuracy_pretrained.recommend([*grid, single("all_delta", 0.4, 6.0, "f")], 0.3)["recommended"] == "all"
+    assert accuracy_cells.recommend(grid, 0.3)["recommended"] == "all_delta"
+    assert accuracy_cells.recommend([*grid, single("all_delta", 0.4, 6.0, "f")], 0.3)["recommended"] == "all"
     # none within: the closest is named by what rules it out, a pair's mean where its upper end is under
     ruled_out = [row("all", [0.1, 0.5], 10.0), row("all_rotnorm", [0.0, 0.22], 10.0),
                  single("all_rotnorm", 0.31, 10.0, "d")]
-    reason = accuracy_pretrained.recommend(ruled_out, 0.3)["reason"]
+    reason = accuracy_cells.recommend(ruled_out, 0.3)["reason"]
     assert "the closest is all_rotnorm (95% upper end +0.22%, one pair's mean +0.31%" in reason
     assert "over by 0.01 points" in reason
+
+
+def test_each_cell_states_the_default_and_the_lowest_upper_end_found() -> None:
+    def row(mode, interval, mb, cell, pairs=3, mean=None):
+        return {"mode": mode, "cell": cell, "ci95_percent": interval, "cross_node_mb_per_step": mb,
+                "pairs": pairs, "mean_delta_percent": mean if interval is None else sum(interval) / 2}
+
+    rows = [row("all", [0.1, 0.25], 85.6, "a"), row("all_delta", [0.0, 0.2], 34.7, "a"),
+            row("all_ef", [0.0, 0.2], 85.6, "a"), row("zero3_order", [-0.3, -0.2], None, "a"),
+            row("all", [-1.6, 2.3], 85.6, "b"), row("all_delta_g8", [-0.2, 0.5], 51.5, "b"),
+            row("all", None, 85.6, "c", pairs=1, mean=0.9), row("all_rotnorm", None, 85.6, "c", pairs=1, mean=0.3)]
+    a, b, c = accuracy_cells.per_cell(rows, 0.3)
+    # within; the control is never the best; a tie in upper ends goes to the fewer bytes
+    assert (a["default_within"], a["best"], a["best_gap_points"]) == (True, "all_delta", 0.0)
+    # over: the lowest upper end found, and its gap over the tolerance
+    assert (b["default_within"], b["best"], b["best_cross_node_mb_per_step"]) == (False, "all_delta_g8", 51.5)
+    assert abs(b["best_gap_points"] - 0.2) < 1e-9
+    # one pair is no interval, and nothing of one pair is the best
+    assert (c["default_within"], c["default_mean_percent"], c["best"]) == (None, 0.9, None)
+    text = accuracy_cells.cells_table([a, b, c], 0.3)
+    assert ("| b | +0.35% [-1.60, +2.30] (3) | no | all_delta_g8: +0.15% [-0.20, +0.50] (3) | 51.5 "
+            "| 0.20 points |") in text
+    assert "| c | +0.90% — (1) | no interval | — | — | — |" in text
 
 
 def test_the_plan_prices_each_config_for_the_users_model(user_model) -> None:

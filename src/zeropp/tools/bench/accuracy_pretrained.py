@@ -67,6 +67,7 @@ from typing import Any
 import torch
 
 from zeropp.tools.bench import finetune
+from zeropp.tools.bench.accuracy_cells import CONTROL, per_cell, recommend, summary_text, table, worst
 from zeropp.tools.bench.paired import mean, verdict
 from zeropp.tools.cluster.launch import RANKS_PER_NODE_ENV, launch_local
 from zeropp.tools.data.corpus import TEXTS
@@ -74,7 +75,6 @@ from zeropp.tools.jobs import config_flags
 from zeropp.tools.modes import BASELINE
 
 MODEL = "SmolLM2-135M"
-CONTROL = "zero3_order"
 DEFAULT_MODES = (BASELINE, "all", CONTROL)
 """ZeRO-3, the default (all three techniques) and the control: the pair the verdict is about."""
 CANDIDATES = ("all_delta", "all_delta_g8", "all_ef", "all_rotnorm", "all_spare", "all_budget")
@@ -368,69 +368,10 @@ def _priced(cell_dir: Path, model_config: dict[str, Any], mode: str, layout: Lay
     return known[key]
 
 
-def upper_end(row: dict[str, Any]) -> float | None:
-    """A row's 95% upper end (its mean where it has one pair; None without one)."""
-    if row["ci95_percent"] is not None:
-        return row["ci95_percent"][1]
-    return row["mean_delta_percent"]
-
-
-def worst(rows: Sequence[dict[str, Any]], mode: str = "all") -> dict[str, Any] | None:
-    """The cell where ``mode`` costs most ([Note: cells]): the largest upper end."""
-    measured = [row for row in rows if row["mode"] == mode and upper_end(row) is not None]
-    return max(measured, key=upper_end, default=None)
-
-
-def recommend(rows: Sequence[dict[str, Any]], tolerance: float) -> dict[str, Any]:
-    """Of the configs whose 95% upper end is under ``tolerance`` percent in every cell with an
-    interval, and whose mean is under it in every cell of one pair, the one with an interval in the
-    most cells, then the fewest cross-node bytes per step ([Note: your own data])."""
-    configs = dict.fromkeys(row["mode"] for row in rows if row["mode"] != CONTROL)
-    judged = []
-    for mode in configs:
-        mine = [row for row in rows if row["mode"] == mode]
-        ends = [row["ci95_percent"][1] for row in mine if row["ci95_percent"] is not None]
-        singles = [row.get("mean_delta_percent") for row in mine if row["ci95_percent"] is None]
-        prices = [row["cross_node_mb_per_step"] for row in mine]
-        bytes_ = None if None in prices else max(prices)  # a budget's widened units differ by cell
-        judged.append({"mode": mode, "upper_end_percent": max(ends, default=None),
-                       "one_pair_mean_percent": max((m for m in singles if m is not None), default=None),
-                       "cross_node_mb_per_step": bytes_, "cells": len(mine), "cells_with_interval": len(ends)})
-    within = [j for j in judged if j["upper_end_percent"] is not None and j["upper_end_percent"] <= tolerance
-              and (j["one_pair_mean_percent"] is None or j["one_pair_mean_percent"] <= tolerance)]
-    within.sort(key=lambda j: (-j["cells_with_interval"], j["cross_node_mb_per_step"] is None,
-                               j["cross_node_mb_per_step"] or 0.0))
-    if within:
-        best = within[0]
-        cells = len({row["cell"] for row in rows})
-        where = (f" in the {best['cells_with_interval']} of {cells} cells with an interval"
-                 if best["cells_with_interval"] < cells else "")
-        reason = (f"{best['mode']}: 95% upper end {best['upper_end_percent']:+.2f}% <= {tolerance}%{where}, "
-                  + (f"{best['cross_node_mb_per_step']:.1f} MB across nodes per step, the fewest of those within "
-                     "in as many cells"
-                     if best['cross_node_mb_per_step'] is not None else "the first within"))
-        return {"recommended": best["mode"], "tolerance_percent": tolerance, "reason": reason, "configs": judged}
-    measured = [j for j in judged if j["upper_end_percent"] is not None]
-    if not measured:
-        reason = "no config has two seed pairs yet: run more seeds (--seeds) for an interval"
-    else:
-        def highest(judgement: dict[str, Any]) -> float:  # what rules it out: an upper end or a pair's mean
-            return max(v for v in (judgement["upper_end_percent"], judgement["one_pair_mean_percent"]) if v is not None)
-
-        closest = min(measured, key=highest)
-        single = closest["one_pair_mean_percent"]
-        figures = f"95% upper end {closest['upper_end_percent']:+.2f}%" + (
-            f", one pair's mean {single:+.2f}% where a cell has one" if single is not None else "")
-        reason = (f"no config is under {tolerance}% in every cell it ran in: the closest is {closest['mode']} "
-                  f"({figures}; over by {highest(closest) - tolerance:.2f} points); keep ZeRO-3 for this data, "
-                  "or run more seeds if the interval is wide")
-    return {"recommended": None, "tolerance_percent": tolerance, "reason": reason, "configs": judged}
-
-
 def report(out_dir: str | Path, tolerance: float = TOLERANCE_PERCENT) -> dict[str, Any]:
     """The verdict of every run found: per cell ``verdict.md`` and ``curves.png``; over the cells
-    ``verdict.json`` (one row per cell and mode), ``verdict.md`` (with the worst cell) and
-    ``recommendation.json``."""
+    ``verdict.json`` (one row per cell and mode), ``cells.json`` (per cell, the default and the
+    lowest upper end found), ``verdict.md`` (with the worst cell) and ``recommendation.json``."""
     out_dir = Path(out_dir)
     rows: list[dict[str, Any]] = []
     for cell_dir in sorted(path.parent for path in out_dir.glob("*/settings.json")):
@@ -439,47 +380,13 @@ def report(out_dir: str | Path, tolerance: float = TOLERANCE_PERCENT) -> dict[st
         (cell_dir / "verdict.md").write_text(table(mine) + "\n")
         plot(cell_dir / "curves.png", load_runs(cell_dir), cell_dir.name)
     advice = recommend(rows, tolerance)
-    result = {"rows": rows, "worst": worst(rows), "recommendation": advice}
+    result = {"rows": rows, "worst": worst(rows), "cells": per_cell(rows, tolerance), "recommendation": advice}
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "verdict.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (out_dir / "cells.json").write_text(json.dumps(result["cells"], indent=1) + "\n")
     (out_dir / "recommendation.json").write_text(json.dumps(advice, indent=1) + "\n")
     (out_dir / "verdict.md").write_text(summary_text(result) + "\n")
     return result
-
-
-def summary_text(result: dict[str, Any]) -> str:
-    """The table over the cells, then the worst cell and the recommendation."""
-    lines = [table(result["rows"]), ""]
-    if result["worst"] is not None:
-        row = result["worst"]
-        lines.append(f"worst cell for all three: {row['cell']}, {_percent(row['mean_delta_percent'])} "
-                     f"{_interval(row['ci95_percent'])} over {row['pairs']} pair(s)")
-    lines.append(f"recommendation (tolerance {result['recommendation']['tolerance_percent']}%): "
-                 f"{result['recommendation']['reason']}")
-    return "\n".join(lines)
-
-
-def _interval(interval: list[float] | None) -> str:
-    return "—" if interval is None else f"[{interval[0]:+.2f}, {interval[1]:+.2f}]"
-
-
-def _percent(value: float | None) -> str:
-    return "—" if value is None else f"{value:+.2f}%"
-
-
-def table(rows: list[dict[str, Any]]) -> str:
-    """Markdown: per cell and mode, its delta against ZeRO-3 beside the control's, on the same seeds."""
-    lines = ["| cell | ZeRO-3's held-out fall | mode | pairs | Δ val loss vs ZeRO-3 (full precision) | 95% interval "
-             "| control Δ | control 95% interval | Δ through the gathers | cross-node MB/step |",
-             "|---|---:|---|---:|---:|---|---:|---|---:|---:|"]
-    for row in rows:
-        fall = "—" if row["zero3_held_out_fall_percent"] is None else f"{row['zero3_held_out_fall_percent']:.1f}%"
-        mb = "—" if row["cross_node_mb_per_step"] is None else f"{row['cross_node_mb_per_step']:.1f}"
-        lines.append(
-            f"| {row['cell']} | {fall} | {row['mode']} | {row['pairs']} | {_percent(row['mean_delta_percent'])} "
-            f"| {_interval(row['ci95_percent'])} | {_percent(row['control_mean_delta_percent'])} "
-            f"| {_interval(row['control_ci95_percent'])} | {_percent(row['gathered_mean_delta_percent'])} | {mb} |")
-    return "\n".join(lines)
 
 
 def plot(path: Path, runs: Runs, title: str, shown: Sequence[str] = (BASELINE, "all")) -> None:
