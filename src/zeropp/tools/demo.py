@@ -70,7 +70,7 @@ def measured_bound(verdict: Path = VERDICT) -> str | None:
         rows = json.loads(verdict.read_text())
     except (OSError, ValueError):
         return None
-    from zeropp.tools.bench.accuracy_pretrained import worst
+    from zeropp.tools.bench.accuracy_cells import worst
 
     row = worst([r for r in rows if r.get("mode") == "all" and r.get("ci95_percent") is not None])
     if row is None:

@@ -61,7 +61,7 @@ def _cross_node(data: dict[str, Any]) -> str:
 
 
 def _accuracy(data: list[dict[str, Any]]) -> str:
-    from zeropp.tools.bench.accuracy_pretrained import worst
+    from zeropp.tools.bench.accuracy_cells import worst
 
     row = worst(data)
     cells = len({r["cell"] for r in data if r["mode"] == "all"})
