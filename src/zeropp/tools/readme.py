@@ -245,15 +245,15 @@ def results_table(root: Path) -> str:
 
 def accuracy_table(root: Path) -> str:
     """The pretrained grid's verdict, one line per corpus x setting cell: how far ZeRO-3's held-out
-    loss fell, then all three's and weight differences' cost against ZeRO-3 (mean, 95% interval,
-    pairs) and the control's, from ``accuracy_pretrained/verdict.json``; every mode is in its
-    ``verdict.md``."""
+    loss fell, then the cost against ZeRO-3 (mean, 95% interval, pairs) of all three, of weight
+    differences, of weight differences with 8-bit gradients across nodes, and the control's, from
+    ``accuracy_pretrained/verdict.json``; every mode is in its ``verdict.md``."""
     path = root / RESULTS / "accuracy_pretrained" / "verdict.json"
     if not path.exists():
         return f"(not measured yet: `{RESULTS / 'accuracy_pretrained' / 'verdict.json'}` is missing)"
     rows = json.loads(path.read_text())
-    lines = ["| corpus, setting | ZeRO-3's held-out fall | all three (the default) | `all_delta` | the control |",
-             "|---|---:|---|---|---|"]
+    lines = ["| corpus, setting | ZeRO-3's held-out fall | all three (the default) | `all_delta` | `all_delta_g8` "
+             "| the control |", "|---|---:|---|---|---|---|"]
     for cell in dict.fromkeys(row["cell"] for row in rows):
         by_mode = {row["mode"]: row for row in rows if row["cell"] == cell}
         if "all" not in by_mode:
@@ -261,7 +261,8 @@ def accuracy_table(root: Path) -> str:
         first = by_mode["all"]
         lines.append(f"| {first['corpus']}, {first['setting']} (lr {first['lr']:g}) | "
                      f"{first['zero3_held_out_fall_percent']:.1f}% | {_verdict(by_mode.get('all'))} | "
-                     f"{_verdict(by_mode.get('all_delta'))} | {_verdict(by_mode.get('zero3_order'))} |")
+                     f"{_verdict(by_mode.get('all_delta'))} | {_verdict(by_mode.get('all_delta_g8'))} "
+                     f"| {_verdict(by_mode.get('zero3_order'))} |")
     return "\n".join(lines)
 
 
