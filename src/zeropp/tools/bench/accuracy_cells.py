@@ -11,6 +11,7 @@ from typing import Any
 CONTROL = "zero3_order"
 """The control's mode: ZeRO-3 with its gradient sums in another fp32 order, never a config."""
 
+
 def upper_end(row: dict[str, Any]) -> float | None:
     """A row's 95% upper end (its mean where it has one pair; None without one)."""
     if row["ci95_percent"] is not None:
@@ -123,7 +124,7 @@ def summary_text(result: dict[str, Any]) -> str:
         row = result["worst"]
         lines.append(f"worst cell for all three: {row['cell']}, {_percent(row['mean_delta_percent'])} "
                      f"{_interval(row['ci95_percent'])} over {row['pairs']} pair(s)")
-    lines.append(f"recommendation (tolerance {result['recommendation']['tolerance_percent']}%): "
+    lines.append(f"recommendation (tolerance {tolerance}%): "
                  f"{result['recommendation']['reason']}")
     return "\n".join(lines)
 
