@@ -23,15 +23,25 @@ forward (DCP's ``get_state_dict`` steps an optimizer with zero gradients to buil
 starts nothing; units not resharded (a unit kept whole) and units whose shards live on the host
 (``offload="cpu"``) are skipped, as their forward does not gather from the device shards. What it costs: the
 payloads of those few units held from the step to the forward, which the forward would hold a
-moment later anyway. A job that ends after a step leaves them in flight. At exit zeropp waits
-for them and meets the other ranks in a barrier (an ``atexit`` hook): a rank that exited as soon
-as its own part of such a gather had arrived aborted its peer now and then ("terminate called
-without an active exception" under load, one run in four; none in ten with the barrier).
+moment later anyway. A job that ends after a step leaves them in flight. Before the process
+group goes, zeropp waits for them, meets the other ranks in a barrier, and then waits until the
+backend's threads have let go of their tensors ([Note: the backend lets go after the wait] in
+``zeropp.fsdp.comms``): a rank whose last release of such a tensor fell to a gloo thread during
+the interpreter's finalization aborted ("terminate called without an active exception"). It
+does so at exit (an ``atexit`` hook) and, as most scripts end by destroying the process group
+before that hook runs, inside ``torch.distributed.destroy_process_group``, which zeropp wraps
+once it has a model (torch has no hook on the group's end); the wrapper does nothing more when
+no gather is in flight. ``comms`` holds every gather started ahead apart from its model, so
+they are found when the model is already gone (freed with the function that trained it), and
+with them those ``zeropp.optimizer_in_backward(..., gather_ahead=True)`` started in the last
+backward. Both are skipped while an exception propagates: its peers may be inside another collective, and a
+rank that failed must exit at once.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import sys
 import weakref
@@ -44,7 +54,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from zeropp.fsdp.access import CommGroup, all_gather_input, in_backward, is_initialized, is_resharded
-from zeropp.fsdp.comms import GatherAhead
+from zeropp.fsdp.comms import GatherAhead, gathers_ahead_in_flight, wait_until_let_go
 
 AheadUnits = Callable[[], Sequence[tuple[CommGroup, Any]]]
 """A model's units gathered first in forward, each with its current all-gather comm."""
@@ -80,34 +90,52 @@ def _install_hook() -> None:
     global _hook
     if _hook is None:
         _hook = register_optimizer_step_post_hook(_after_step)
-        atexit.register(_wait_at_exit)
+        atexit.register(_finish_started, barrier=True)
+        destroy = _finish_before(dist.destroy_process_group)
+        dist.destroy_process_group = dist.distributed_c10d.destroy_process_group = destroy
 
 
 def _holds(optimizer: torch.optim.Optimizer, param_ids: frozenset[int]) -> bool:
     return any(id(p) in param_ids for group in optimizer.param_groups for p in group["params"])
 
 
-def _wait_at_exit() -> None:
-    """Finish the gathers a last step started, and let no rank close its connections while a
-    peer may still be receiving one ([Note: gathers after the step]). Skipped when the script
-    ends with an uncaught exception: its peers may be inside another collective, and a rank
-    that failed must exit at once."""
-    if getattr(sys, "last_value", None) is not None:
+def _finish_started(*, barrier: bool) -> None:
+    """Finish the gathers started ahead (after the last step, or inside its backward) and, with
+    ``barrier``, let no rank close its connections while a peer may still be receiving one
+    ([Note: gathers after the step]).
+    Skipped while an exception propagates or after the script ended with one."""
+    if sys.exc_info()[1] is not None or getattr(sys, "last_value", None) is not None:
         return
-    started = [g for _, units in list(_MODELS.values()) for _, g in units()
-               if isinstance(g, GatherAhead) and g.started_ahead]
+    started = gathers_ahead_in_flight()
+    held = [entry for all_gather in started for entry in all_gather.ahead_held]
     try:
         for all_gather in started:
             all_gather.drop_ahead()
-        if started and dist.is_initialized():
+        if started and barrier and dist.is_initialized():
             dist.barrier()
     except RuntimeError as error:  # a peer already gone: nothing is left to receive from it
-        logger.debug("zeropp: at exit, the gathers started by the last step ended with: %s", error)
+        logger.debug("zeropp: the gathers started by the last step ended with: %s", error)
+        return
+    if not wait_until_let_go(held):
+        logger.debug("zeropp: the backend still held tensors of the last step's gathers after 5 s")
+
+
+def _finish_before(destroy: Callable[..., None]) -> Callable[..., None]:
+    """``torch.distributed.destroy_process_group``, finishing the gathers the last step started
+    first: with the ranks' barrier when the default group goes, and without it for one subgroup."""
+    @functools.wraps(destroy)
+    def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
+        if dist.is_initialized():
+            _finish_started(barrier=group is None or group is dist.GroupMember.WORLD)
+        destroy(group)
+    return destroy_process_group
 
 
 def steps_in_backward(optimizer: torch.optim.Optimizer) -> None:
-    """Mark ``optimizer`` as one stepped inside backward: its steps start nothing here."""
+    """Mark ``optimizer`` as one stepped inside backward: its steps start nothing here (the gathers
+    it starts ahead are finished before the process group goes all the same)."""
     _STEPPED_IN_BACKWARD.add(optimizer)
+    _install_hook()
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

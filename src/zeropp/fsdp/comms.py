@@ -8,11 +8,13 @@ and ``CountingReduceScatter`` are FSDP2's default collectives, counted, for plai
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import os
+import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -81,10 +83,11 @@ class Recorder:
         self.ledger.record(op, self.group_info(group), bytes_per_peer, dtype, technique, self.phase)
 
     def issue(self, op: Op, group: dist.ProcessGroup | None, technique: str,
-              collective: Callable[[], dist.Work | None]) -> dist.Work | None:
-        """Run ``collective`` (a torch.distributed call); its failure, now or when its work is
-        waited for, is raised as a ``CollectiveError`` saying which collective of which unit
-        failed: see [Note: a peer that dies].
+              collective: Callable[[], dist.Work | None], tensors: tuple[torch.Tensor, ...]) -> dist.Work | None:
+        """Run ``collective`` (a torch.distributed call on ``tensors``); its failure, now or when
+        its work is waited for, is raised as a ``CollectiveError`` saying which collective of
+        which unit failed: see [Note: a peer that dies]. Inside ``holding_tensors`` the tensors
+        are also noted with their use counts ([Note: the backend lets go after the wait]).
 
         [Note: a peer that dies]
         When a rank dies (killed, out of memory) or stops calling collectives (stuck, or a
@@ -95,6 +98,8 @@ class Recorder:
         the step stopped, raise and exit non-zero (torchrun then restarts the job, which resumes
         from the last checkpoint). NCCL aborts the process from its watchdog instead (a
         timeout in its log, with the collective's sequence number)."""
+        if _held is not None:
+            _held.extend((tensor, _use_count(tensor)) for tensor in tensors)
         try:
             work = collective()
         except RuntimeError as error:
@@ -152,7 +157,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
     ledger when it is not the tensor's own (a packed uint8 payload of INT8 codes is "int8")."""
     recorder.record(Op.ALL_GATHER, group, nbytes(input), dtype or input.dtype, technique)
     return recorder.issue(Op.ALL_GATHER, group, technique,
-                          lambda: _all_gather_tensor(output, input, group=group, async_op=async_op))
+                          lambda: _all_gather_tensor(output, input, group=group, async_op=async_op),
+                          (output, input))
 
 
 @dataclass(frozen=True)
@@ -229,7 +235,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: dist.ReduceOp,
         op = dist.ReduceOp.SUM
     recorder.record(Op.REDUCE_SCATTER, group, nbytes(output), input.dtype, technique)
     return recorder.issue(Op.REDUCE_SCATTER, group, technique,
-                          lambda: _reduce_scatter_tensor(output, input, op, group, async_op))
+                          lambda: _reduce_scatter_tensor(output, input, op, group, async_op), (output, input))
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, split_sizes: list[int], group: dist.ProcessGroup,
@@ -241,7 +247,8 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, split_sizes: list[int]
     bytes_per_peer = max(split_sizes, default=0) * input.element_size()
     recorder.record(Op.ALL_TO_ALL, group, bytes_per_peer, dtype, technique)
     return recorder.issue(Op.ALL_TO_ALL, group, technique, lambda: dist.all_to_all_single(
-        output, input, output_split_sizes=split_sizes, input_split_sizes=split_sizes, group=group, async_op=async_op))
+        output, input, output_split_sizes=split_sizes, input_split_sizes=split_sizes, group=group, async_op=async_op),
+        (output, input))
 
 
 def all_reduce_sum(buffer: torch.Tensor, group: dist.ProcessGroup | None, recorder: Recorder,
@@ -255,7 +262,7 @@ def all_reduce(buffer: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup
     """Reduce ``buffer`` with ``op`` over the group (default: the world), in place."""
     recorder.record(Op.ALL_REDUCE, group or dist.group.WORLD, nbytes(buffer), buffer.dtype, technique)
     return recorder.issue(Op.ALL_REDUCE, group, technique,
-                          lambda: dist.all_reduce(buffer, op=op, group=group, async_op=async_op))
+                          lambda: dist.all_reduce(buffer, op=op, group=group, async_op=async_op), (buffer,))
 
 
 def broadcast(tensor: torch.Tensor, source_rank: int, group: dist.ProcessGroup | None, recorder: Recorder,
@@ -265,7 +272,8 @@ def broadcast(tensor: torch.Tensor, source_rank: int, group: dist.ProcessGroup |
     group = group or dist.group.WORLD
     bytes_per_peer = nbytes(tensor) if dist.get_rank() == source_rank else 0
     recorder.record(Op.BROADCAST, group, bytes_per_peer, tensor.dtype, technique)
-    recorder.issue(Op.BROADCAST, group, technique, lambda: dist.broadcast(tensor, src=source_rank, group=group))
+    recorder.issue(Op.BROADCAST, group, technique, lambda: dist.broadcast(tensor, src=source_rank, group=group),
+                   (tensor,))
 
 
 def all_gather_strings(value: str, group: dist.ProcessGroup | None = None) -> list[str]:
@@ -418,6 +426,54 @@ class DecodeOnWait(dist.Work):
         return True
 
 
+Held = list[tuple[torch.Tensor, int]]
+"""Tensors handed to collectives, each with its use count before the backend took it."""
+
+_held: Held | None = None
+
+
+def _use_count(tensor: torch.Tensor) -> int:
+    use_count = getattr(tensor, "_use_count", None)
+    return 0 if use_count is None else use_count()
+
+
+@contextlib.contextmanager
+def holding_tensors() -> Iterator[Held]:
+    """Note every tensor the collectives issued inside hand to the backend, with its use count
+    then: see [Note: the backend lets go after the wait]."""
+    global _held
+    outer, _held = _held, []
+    try:
+        yield _held
+    finally:
+        _held = outer
+
+
+def wait_until_let_go(held: Held, timeout_s: float = 5.0) -> bool:
+    """Wait until the backend's threads hold none of ``held``'s tensors (each back to its use
+    count before the collective); False if ``timeout_s`` passed first.
+
+    [Note: the backend lets go after the wait]
+    A gloo worker thread marks a collective's work done, which wakes its ``wait()``, and only
+    then lets go of the work, and with it of the tensors the work held. If the Python side has
+    let go of a tensor first, that last release is the worker's, and it must take the GIL to
+    free the tensor's Python object. During interpreter finalization it cannot: the thread is
+    ended there and the process aborts with "terminate called without an active exception"
+    (reproduced with a C++ stack: ``ProcessGroupGloo::runLoop`` releasing a work into
+    ``TensorImpl::decref_pyobject``, then ``pthread_exit``). Mid-job that release just waits its
+    turn for the GIL; at the end of a job it is a race with the exit, lost now and then under
+    load. So before the process group goes, zeropp holds on to the tensors of the gathers still
+    in flight and waits, after their wait, until every one is back to the use count it had
+    before the collective (the backend and its works hold none), and only then lets them go
+    on the main thread."""
+    deadline = time.monotonic() + timeout_s
+    while any(_use_count(tensor) > before for tensor, before in held):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
 class Completion:
     """What finishes a started gather: writes the ``payload`` it holds into an output (a copy, a
     decode, a second hop); ``nbytes``: the payload's size, held until then."""
@@ -469,6 +525,9 @@ class GatherAhead:
     unit's gathered payload is held from its step to its forward (``ahead_bytes``)."""
 
     _ahead: tuple[dist.ProcessGroup, torch.Tensor, Started] | None = None
+    ahead_held: Held = []
+    """The tensors the gather started ahead handed to the backend ([Note: the backend lets go
+    after the wait])."""
     taken_ahead: int = 0
     """Gathers started ahead that a forward took."""
     dropped_ahead: int = 0
@@ -482,13 +541,17 @@ class GatherAhead:
     def gather_ahead(self, input_tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
         """Start the gather of ``input_tensor`` that the next call will ask for."""
         self.drop_ahead()
-        self._ahead = (group, input_tensor, self.start(input_tensor, group, True, None))
+        with holding_tensors() as held:
+            self._ahead = (group, input_tensor, self.start(input_tensor, group, True, None))
+        self.ahead_held = held
+        _AHEAD_IN_FLIGHT[id(self)] = self
 
     def drop_ahead(self) -> None:
         """Forget a gather started ahead (after it has finished: every rank issued it)."""
         if self._ahead is not None:
             work = self._ahead[2][0]
-            self._ahead = None
+            self._ahead, self.ahead_held = None, []
+            _AHEAD_IN_FLIGHT.pop(id(self), None)
             self.dropped_ahead += 1
             if work is not None:
                 work.wait()
@@ -534,11 +597,22 @@ class GatherAhead:
         ahead_group, ahead_input, started = self._ahead
         if (ahead_group is group and ahead_input.dtype == input_tensor.dtype
                 and ahead_input.shape == input_tensor.shape and torch.equal(ahead_input, input_tensor)):
-            self._ahead = None
+            self._ahead, self.ahead_held = None, []
+            _AHEAD_IN_FLIGHT.pop(id(self), None)
             self.taken_ahead += 1
             return started
         self.drop_ahead()
         return None
+
+
+_AHEAD_IN_FLIGHT: dict[int, GatherAhead] = {}
+"""Every gather started ahead and not yet taken or dropped, held apart from its model, so that a
+job can finish them before its process group goes even when the model is already freed."""
+
+
+def gathers_ahead_in_flight() -> list[GatherAhead]:
+    """The gathers started ahead that no call has taken or dropped yet, in the order started."""
+    return list(_AHEAD_IN_FLIGHT.values())
 
 
 class CountingAllGather(RecordedComm, GatherAhead, AllGather):

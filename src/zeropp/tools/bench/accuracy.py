@@ -48,8 +48,9 @@ it did), and the gap that leaves lasts to the end. These spikes, not a steady co
 few deltas of several percent; ``largest_early_rise_nats`` in the report names them per run."""
 
 ATTEMPTS = 3
-"""Tries per cell and seed: a job that dies (a gloo rank aborting at exit, after its last step,
-was seen once in the grid's trial runs) is run again rather than ending the grid."""
+"""Tries per cell and seed: a job that dies is run again rather than ending a grid of hours (a
+gloo rank aborting at exit after its last step, since mended in [Note: gathers after the step],
+was seen once in the grid's trial runs)."""
 
 
 @dataclass(frozen=True, kw_only=True)
