@@ -65,6 +65,8 @@ def _worker(rank: int, world_size: int, port: int, env: dict[str, str], fn: Call
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(world_size))
     torch.set_num_threads(1)
     faulthandler.enable(all_threads=True)  # a rank that crashes in native code prints every thread's stack
+    if hasattr(torch._C, "_set_print_stack_traces_on_fatal_signal"):
+        torch._C._set_print_stack_traces_on_fatal_signal(True)  # and their C++ frames, which faulthandler cannot
     deadline = time.monotonic() + timeout
     store = None
     try:
@@ -158,8 +160,10 @@ class _Crashed(AssertionError):
     lost a rank to SIGSEGV in one of gloo's native threads while the rank's Python thread waited on
     a collective's work (``overlap``'s late reduce-scatter); its peers then read "Connection reset
     by peer". faulthandler (enabled in
-    every rank) shows no Python frame on the crashing thread. Such a run is started once more, and
-    says so on stderr; a second crash fails the test. The cause is not found yet."""
+    every rank) shows no Python frame on the crashing thread; every rank now also prints each
+    thread's C++ frames on a fatal signal, which is how the abort at exit in [Note: the backend
+    lets go after the wait] (``zeropp.fsdp.comms``) was found. Such a run is started once more,
+    and says so on stderr; a second crash fails the test. The cause is not found yet."""
 
 
 def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, timeout: float,
