@@ -144,6 +144,15 @@ def _bf16_step(data: dict[str, Any]) -> str:
             f"{free['all_delta']['ratio_vs_zero3']:.3f}x")
 
 
+def _delta_g8_step(data: dict[str, Any]) -> str:
+    at = {mode: _record(data, mode, "100mbit") for mode in ("zero3", "all", "all_delta", "all_delta_g8")}
+    g8 = at["all_delta_g8"]
+    wire = g8["cross_node_bytes_wire"] / at["all"]["cross_node_bytes_wire"]
+    return (f"**{g8['ratio_vs_zero3']:.3f}x** ZeRO-3's step ({g8['median_step_s']:.2f} s; weight differences "
+            f"alone {at['all_delta']['median_step_s']:.2f} s, all three {at['all']['median_step_s']:.2f} s); "
+            f"cross-node bytes on the wire **{wire:.2f}x** all three's ({g8['cross_node_bytes_wire'] / 1e6:.1f} MB)")
+
+
 def _deltas_ranks(data: dict[str, Any]) -> str:
     rows = {(r["world_size"], r["mode"]): r["cross_node_bytes"] for r in data["rows"] if r["dtype"] == "bfloat16"}
     sizes = sorted({size for size, _ in rows})
@@ -185,6 +194,11 @@ ROWS = (
     Row("bf16 gathers, fp32 reduction (as users train), 100 Mbit/s", "bench_step_bf16/bench_step.json",
         "zeropp bench step --param-dtype bfloat16 --no-memory --modes zero3,all,all_delta --bandwidths "
         "unlimited,100mbit --out benchmarks/results/bench_step_bf16", _bf16_step,
+        "[weight differences](docs/results.md#weight-differences-over-the-node-copy)"),
+    Row("weight differences with 8-bit gradients across nodes (`all_delta_g8`, the accuracy grid's "
+        "recommendation), 100 Mbit/s", "bench_step_delta_g8/bench_step.json",
+        "zeropp bench step --param-dtype float32 --no-memory --modes zero3,all,all_delta,all_delta_g8 --bandwidths "
+        "unlimited,100mbit --out benchmarks/results/bench_step_delta_g8", _delta_g8_step,
         "[weight differences](docs/results.md#weight-differences-over-the-node-copy)"),
     Row("weight differences' cross-node bytes per step against all three's, larger jobs", "deltas_bytes.json",
         "python benchmarks/deltas_bytes.py --out benchmarks/results/deltas_bytes.json", _deltas_ranks,
