@@ -207,9 +207,10 @@ def test_gathers_after_the_step_under_the_hf_trainer_change_no_bit(tmp_path) -> 
 def test_a_job_that_ends_after_a_step_exits_cleanly(tmp_path) -> None:
     """The README's plain loop with ``overlap`` (named, though the default): its last optimizer
     step starts gathers that no forward takes, still in the backend's threads when the script
-    ends. Both ranks exit with 0: zeropp finishes them at exit and the ranks meet in a barrier
-    (a rank that exited first aborted its peer now and then, about one run in four under load,
-    so this run catches a regression only when the race comes up)."""
+    ends. Both ranks exit with 0: zeropp finishes them at exit, the ranks meet in a barrier, and
+    each waits until the backend has let go of their tensors (a gloo thread that released the
+    last of them during finalization aborted the rank now and then under load, so this run
+    catches a regression only when the race comes up; the test above checks the wait itself)."""
     import os
     import subprocess
     import sys
