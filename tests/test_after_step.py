@@ -11,8 +11,9 @@ import torch
 import zeropp
 from distributed import run_distributed
 from models import global_batch, make_model, rows
-from zeropp.fsdp.after_step import _finish_started, ahead_bytes, gather_after_step
-from zeropp.fsdp.comms import GatherAhead, buffered, gathers_ahead_in_flight
+from zeropp.fsdp import after_step, comms
+from zeropp.fsdp.after_step import ahead_bytes, gather_after_step
+from zeropp.fsdp.comms import GatherAhead
 
 TWO_BY_TWO = {"ZEROPP_RANKS_PER_NODE": "2"}
 ALL_THREE = {"quantized_weights": True, "quantized_gradients": True, "hpz_partition_size": 2, "overlap": True}
@@ -99,7 +100,7 @@ def test_gathers_after_the_step_in_a_stock_loop_change_no_bit() -> None:
 
 
 def _train_in_a_function(rank: int, world_size: int) -> None:
-    """Two steps of all three in a function whose model is freed when it returns."""
+    """Two steps of all three in a function, whose model the caller never sees."""
     model = make_model("gpt")
     zeropp.shard(model, zeropp.ZeroPPConfig(**ALL_THREE))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -117,44 +118,52 @@ def _ends_by_destroying_the_group(rank: int, world_size: int) -> dict:
 
     _train_in_a_function(rank, world_size)
     gc.collect()
-    in_flight = gathers_ahead_in_flight()
-    held = [entry for g in in_flight for entry in g.ahead_held]
-    dist.destroy_process_group()
-    return {"in_flight": len(in_flight), "dropped": [g.dropped_ahead for g in in_flight], "held": len(held),
+    in_flight = comms.gathers_ahead_in_flight()
+    held = [entry for _, _, tensors in comms._AHEAD_IN_FLIGHT.values() for entry in tensors]
+    waited, original = [], after_step.wait_until_let_go
+
+    def spy(entries: comms.Held, timeout_s: float = 5.0) -> bool:
+        waited.append((len(entries), original(entries, timeout_s)))
+        return waited[-1][1]
+
+    after_step.wait_until_let_go = spy
+    try:
+        dist.destroy_process_group()
+    finally:
+        after_step.wait_until_let_go = original
+    return {"in_flight": in_flight, "held": len(held), "waited": waited,
             "still_held": [(t._use_count(), before) for t, before in held if t._use_count() > before],
-            "left": len(gathers_ahead_in_flight()), "wrapped": hasattr(dist.destroy_process_group, "__wrapped__")}
+            "left": comms.gathers_ahead_in_flight(), "wrapped": hasattr(dist.destroy_process_group, "__wrapped__")}
 
 
 def test_gathers_in_flight_at_the_end_are_finished_when_the_script_destroys_its_group() -> None:
-    """A job that trains in a function (its model freed when it returns) and ends with
-    ``destroy_process_group``, as most scripts do, before zeropp's exit hook can run: the gathers
-    the last step started are still held, and destroying the group finishes every one of them
-    first, meets the other ranks, and returns only once the backend's threads hold none of their
-    tensors ([Note: the backend lets go after the wait]: a gloo thread that released the last
-    reference during finalization aborted the rank, several runs in thirty of such a job under
-    load)."""
+    """A job that trains in a function and ends with ``destroy_process_group``, as most scripts
+    do, before zeropp's exit hook can run: destroying the group waits for every gather the last
+    step started, meets the other ranks, and returns only once the backend's threads hold none of
+    their tensors ([Note: the backend lets go after the wait]: a gloo thread that released the
+    last reference during finalization aborted the rank, several runs in thirty of such a job
+    under load)."""
     for r in run_distributed(_ends_by_destroying_the_group, 4, env=TWO_BY_TWO):
         assert r["wrapped"] and r["in_flight"] > 0 and r["held"] >= 2 * r["in_flight"], r
-        assert r["dropped"] == [1] * r["in_flight"] and r["left"] == 0 and r["still_held"] == [], r
+        assert r["waited"] == [(r["held"], True)] and r["left"] == 0 and r["still_held"] == [], r
 
 
-def test_gathers_in_flight_are_left_alone_while_an_exception_propagates() -> None:
-    """A rank that fails must exit at once (its peers may be inside another collective): the
-    finish skips everything while an exception propagates, and finishes the gathers otherwise."""
-    class Held(GatherAhead):
-        def start(self, input_tensor, group, async_op, output_tensor):
-            return None, buffered(input_tensor)
-
-    held = Held()
-    held.gather_ahead(torch.ones(4), None)
-    assert held in gathers_ahead_in_flight()
+def test_the_destroy_wrapper_finishes_for_the_default_group_only_and_not_while_an_exception_propagates(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A subgroup's destroy leaves the gathers alone (other ranks may still take theirs), and a
+    rank that fails must exit at once (its peers may be inside another collective)."""
+    finished, destroyed = [], []
+    monkeypatch.setattr(after_step, "_finish_started", lambda: finished.append(True))
+    monkeypatch.setattr(after_step.dist, "is_initialized", lambda: True)
+    destroy = after_step._finish_before(lambda group=None: destroyed.append(group))
+    subgroup = object()
+    destroy()
+    destroy(subgroup)
     try:
         raise ValueError("the script failed")
     except ValueError:
-        _finish_started(barrier=True)
-    assert held in gathers_ahead_in_flight() and held.started_ahead
-    _finish_started(barrier=True)  # no process group here: no barrier
-    assert held not in gathers_ahead_in_flight() and not held.started_ahead and held.dropped_ahead == 1
+        destroy()
+    assert finished == [True] and destroyed == [None, subgroup, None]
 
 
 @pytest.mark.slow
@@ -232,11 +241,9 @@ def test_waiting_for_the_backend_to_let_go_ends_only_when_no_one_else_holds_the_
     """``wait_until_let_go`` compares each tensor's use count with the one noted before the
     collective: a view (another holder, as a gloo work is) keeps it waiting until the timeout;
     with the view gone it returns at once."""
-    from zeropp.fsdp.comms import wait_until_let_go
-
     buffer = torch.zeros(8)
     held = [(buffer, buffer._use_count())]
     view = buffer.view(2, 4)
-    assert not wait_until_let_go(held, timeout_s=0.05)
+    assert not comms.wait_until_let_go(held, timeout_s=0.05)
     del view
-    assert wait_until_let_go(held, timeout_s=0.05)
+    assert comms.wait_until_let_go(held, timeout_s=0.05)

@@ -29,13 +29,15 @@ backend's threads have let go of their tensors ([Note: the backend lets go after
 ``zeropp.fsdp.comms``): a rank whose last release of such a tensor fell to a gloo thread during
 the interpreter's finalization aborted ("terminate called without an active exception"). It
 does so at exit (an ``atexit`` hook) and, as most scripts end by destroying the process group
-before that hook runs, inside ``torch.distributed.destroy_process_group``, which zeropp wraps
-once it has a model (torch has no hook on the group's end); the wrapper does nothing more when
-no gather is in flight. ``comms`` holds every gather started ahead apart from its model, so
-they are found when the model is already gone (freed with the function that trained it), and
-with them those ``zeropp.optimizer_in_backward(..., gather_ahead=True)`` started in the last
-backward. Both are skipped while an exception propagates: its peers may be inside another collective, and a
-rank that failed must exit at once.
+before that hook runs, inside ``torch.distributed.destroy_process_group`` when the default group
+goes, which zeropp wraps once it has a model (torch has no hook on the group's end; a subgroup's
+destroy, and torch's own callers inside ``distributed_c10d``, are left as they are); the wrapper
+does nothing more when no gather is in flight. ``comms`` notes every gather started ahead with
+its work and tensors, holding its comm weakly, so they are found whatever became of the model
+(out of reach with the function that trained it, or freed), and with them those
+``zeropp.optimizer_in_backward(..., gather_ahead=True)`` started in the last backward. Neither
+runs while an exception propagates, nor at the exit of a script that ended with one: its peers
+may be inside another collective, and a rank that failed must exit at once.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from zeropp.fsdp.access import CommGroup, all_gather_input, in_backward, is_initialized, is_resharded
-from zeropp.fsdp.comms import GatherAhead, gathers_ahead_in_flight, wait_until_let_go
+from zeropp.fsdp.comms import GatherAhead, barrier, finish_gathers_ahead, gathers_ahead_in_flight, wait_until_let_go
 
 AheadUnits = Callable[[], Sequence[tuple[CommGroup, Any]]]
 """A model's units gathered first in forward, each with its current all-gather comm."""
@@ -90,29 +92,23 @@ def _install_hook() -> None:
     global _hook
     if _hook is None:
         _hook = register_optimizer_step_post_hook(_after_step)
-        atexit.register(_finish_started, barrier=True)
-        destroy = _finish_before(dist.destroy_process_group)
-        dist.destroy_process_group = dist.distributed_c10d.destroy_process_group = destroy
+        atexit.register(_finish_at_exit)
+        dist.destroy_process_group = _finish_before(dist.destroy_process_group)
 
 
 def _holds(optimizer: torch.optim.Optimizer, param_ids: frozenset[int]) -> bool:
     return any(id(p) in param_ids for group in optimizer.param_groups for p in group["params"])
 
 
-def _finish_started(*, barrier: bool) -> None:
-    """Finish the gathers started ahead (after the last step, or inside its backward) and, with
-    ``barrier``, let no rank close its connections while a peer may still be receiving one
-    ([Note: gathers after the step]).
-    Skipped while an exception propagates or after the script ended with one."""
-    if sys.exc_info()[1] is not None or getattr(sys, "last_value", None) is not None:
+def _finish_started() -> None:
+    """Finish the gathers started ahead (after the last step, or inside its backward), let no
+    rank close its connections while a peer may still be receiving one, and wait until the
+    backend has let go of their tensors ([Note: gathers after the step])."""
+    if not gathers_ahead_in_flight():
         return
-    started = gathers_ahead_in_flight()
-    held = [entry for all_gather in started for entry in all_gather.ahead_held]
     try:
-        for all_gather in started:
-            all_gather.drop_ahead()
-        if started and barrier and dist.is_initialized():
-            dist.barrier()
+        held = finish_gathers_ahead()
+        barrier()
     except RuntimeError as error:  # a peer already gone: nothing is left to receive from it
         logger.debug("zeropp: the gathers started by the last step ended with: %s", error)
         return
@@ -120,13 +116,20 @@ def _finish_started(*, barrier: bool) -> None:
         logger.debug("zeropp: the backend still held tensors of the last step's gathers after 5 s")
 
 
+def _finish_at_exit() -> None:
+    """The exit's finish, unless the script ended with an uncaught exception."""
+    if getattr(sys, "last_value", None) is None and dist.is_initialized():
+        _finish_started()
+
+
 def _finish_before(destroy: Callable[..., None]) -> Callable[..., None]:
-    """``torch.distributed.destroy_process_group``, finishing the gathers the last step started
-    first: with the ranks' barrier when the default group goes, and without it for one subgroup."""
+    """``torch.distributed.destroy_process_group``, finishing the gathers started ahead first when
+    the default group goes (every group with it), unless an exception is propagating."""
     @functools.wraps(destroy)
     def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:
-        if dist.is_initialized():
-            _finish_started(barrier=group is None or group is dist.GroupMember.WORLD)
+        if (group is None or group is dist.GroupMember.WORLD) and dist.is_initialized() and \
+                sys.exc_info()[1] is None:
+            _finish_started()
         destroy(group)
     return destroy_process_group
 

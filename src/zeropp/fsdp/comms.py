@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
+import itertools
 import os
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -99,7 +101,7 @@ class Recorder:
         from the last checkpoint). NCCL aborts the process from its watchdog instead (a
         timeout in its log, with the collective's sequence number)."""
         if _held is not None:
-            _held.extend((tensor, _use_count(tensor)) for tensor in tensors)
+            _held.extend((tensor, tensor._use_count()) for tensor in tensors)
         try:
             work = collective()
         except RuntimeError as error:
@@ -432,11 +434,6 @@ Held = list[tuple[torch.Tensor, int]]
 _held: Held | None = None
 
 
-def _use_count(tensor: torch.Tensor) -> int:
-    use_count = getattr(tensor, "_use_count", None)
-    return 0 if use_count is None else use_count()
-
-
 @contextlib.contextmanager
 def holding_tensors() -> Iterator[Held]:
     """Note every tensor the collectives issued inside hand to the backend, with its use count
@@ -455,7 +452,8 @@ def wait_until_let_go(held: Held, timeout_s: float = 5.0) -> bool:
 
     [Note: the backend lets go after the wait]
     A gloo worker thread marks a collective's work done, which wakes its ``wait()``, and only
-    then lets go of the work, and with it of the tensors the work held. If the Python side has
+    then lets go of the work, and with it of the tensors the work held (the ones it was given,
+    or views of them, which hold them too). If the Python side has
     let go of a tensor first, that last release is the worker's, and it must take the GIL to
     free the tensor's Python object. During interpreter finalization it cannot: the thread is
     ended there and the process aborts with "terminate called without an active exception"
@@ -467,11 +465,16 @@ def wait_until_let_go(held: Held, timeout_s: float = 5.0) -> bool:
     before the collective (the backend and its works hold none), and only then lets them go
     on the main thread."""
     deadline = time.monotonic() + timeout_s
-    while any(_use_count(tensor) > before for tensor, before in held):
+    while not let_go(held):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.001)
     return True
+
+
+def let_go(held: Held) -> bool:
+    """Whether every tensor of ``held`` is back to its use count before the collective."""
+    return all(tensor._use_count() <= before for tensor, before in held)
 
 
 class Completion:
@@ -525,9 +528,7 @@ class GatherAhead:
     unit's gathered payload is held from its step to its forward (``ahead_bytes``)."""
 
     _ahead: tuple[dist.ProcessGroup, torch.Tensor, Started] | None = None
-    ahead_held: Held = []
-    """The tensors the gather started ahead handed to the backend ([Note: the backend lets go
-    after the wait])."""
+    _in_flight_key: int | None = None
     taken_ahead: int = 0
     """Gathers started ahead that a forward took."""
     dropped_ahead: int = 0
@@ -543,15 +544,14 @@ class GatherAhead:
         self.drop_ahead()
         with holding_tensors() as held:
             self._ahead = (group, input_tensor, self.start(input_tensor, group, True, None))
-        self.ahead_held = held
-        _AHEAD_IN_FLIGHT[id(self)] = self
+        self._in_flight_key = _in_flight(self, self._ahead[2][0], held)
 
     def drop_ahead(self) -> None:
         """Forget a gather started ahead (after it has finished: every rank issued it)."""
         if self._ahead is not None:
             work = self._ahead[2][0]
-            self._ahead, self.ahead_held = None, []
-            _AHEAD_IN_FLIGHT.pop(id(self), None)
+            self._ahead = None
+            _AHEAD_IN_FLIGHT.pop(self._in_flight_key, None)
             self.dropped_ahead += 1
             if work is not None:
                 work.wait()
@@ -597,22 +597,58 @@ class GatherAhead:
         ahead_group, ahead_input, started = self._ahead
         if (ahead_group is group and ahead_input.dtype == input_tensor.dtype
                 and ahead_input.shape == input_tensor.shape and torch.equal(ahead_input, input_tensor)):
-            self._ahead, self.ahead_held = None, []
-            _AHEAD_IN_FLIGHT.pop(id(self), None)
+            self._ahead = None
+            _AHEAD_IN_FLIGHT.pop(self._in_flight_key, None)
             self.taken_ahead += 1
             return started
         self.drop_ahead()
         return None
 
 
-_AHEAD_IN_FLIGHT: dict[int, GatherAhead] = {}
-"""Every gather started ahead and not yet taken or dropped, held apart from its model, so that a
-job can finish them before its process group goes even when the model is already freed."""
+InFlight = tuple["weakref.ref[GatherAhead]", "dist.Work | None", Held]
+"""A gather started ahead: its comm (weakly: a freed model frees its comms), its work, and the
+tensors it handed the backend."""
+
+_AHEAD_IN_FLIGHT: dict[int, InFlight] = {}
+"""Every gather started ahead and not yet taken or dropped, so that a job can finish them before
+its process group goes, even those of a model already freed ([Note: gathers after the step] in
+``zeropp.fsdp.after_step``). Only the works and their tensors are held, never the comm."""
+_in_flight_keys = itertools.count()
 
 
-def gathers_ahead_in_flight() -> list[GatherAhead]:
-    """The gathers started ahead that no call has taken or dropped yet, in the order started."""
-    return list(_AHEAD_IN_FLIGHT.values())
+def _in_flight(all_gather: GatherAhead, work: dist.Work | None, held: Held) -> int:
+    """Note a gather started ahead; forget those of freed comms that the backend has let go."""
+    for key, (comm, _, earlier) in list(_AHEAD_IN_FLIGHT.items()):
+        if comm() is None and let_go(earlier):
+            del _AHEAD_IN_FLIGHT[key]
+    key = next(_in_flight_keys)
+    _AHEAD_IN_FLIGHT[key] = (weakref.ref(all_gather), work, held)
+    return key
+
+
+def finish_gathers_ahead() -> Held:
+    """Wait for every gather started ahead that no call has taken (dropping it from its comm, as
+    every rank does), and return the tensors they handed the backend."""
+    held: Held = []
+    for comm, work, tensors in list(_AHEAD_IN_FLIGHT.values()):
+        all_gather = comm()
+        if all_gather is not None and all_gather.started_ahead:
+            all_gather.drop_ahead()
+        elif work is not None:
+            work.wait()
+        held.extend(tensors)
+    _AHEAD_IN_FLIGHT.clear()
+    return held
+
+
+def gathers_ahead_in_flight() -> int:
+    """How many gathers started ahead no call has taken or dropped yet."""
+    return len(_AHEAD_IN_FLIGHT)
+
+
+def barrier() -> None:
+    """Every rank of the world meets here."""
+    dist.barrier()
 
 
 class CountingAllGather(RecordedComm, GatherAhead, AllGather):
