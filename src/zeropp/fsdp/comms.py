@@ -453,9 +453,9 @@ def wait_until_let_go(held: Held, timeout_s: float = 5.0) -> bool:
     [Note: the backend lets go after the wait]
     A gloo worker thread marks a collective's work done, which wakes its ``wait()``, and only
     then lets go of the work, and with it of the tensors the work held (the ones it was given,
-    or views of them, which hold them too). If the Python side has
-    let go of a tensor first, that last release is the worker's, and it must take the GIL to
-    free the tensor's Python object. During interpreter finalization it cannot: the thread is
+    or views of them, which hold them too). If the Python side has let go of a tensor first,
+    that last release is the worker's, and it must take the GIL to free the tensor's Python
+    object. During interpreter finalization it cannot: the thread is
     ended there and the process aborts with "terminate called without an active exception"
     (reproduced with a C++ stack: ``ProcessGroupGloo::runLoop`` releasing a work into
     ``TensorImpl::decref_pyobject``, then ``pthread_exit``). Mid-job that release just waits its
